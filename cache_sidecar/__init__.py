@@ -1,0 +1,1 @@
+"""Cache sidecar: fetch commit-pinned weights, verify every byte, publish atomically, serve readiness."""

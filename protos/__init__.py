@@ -1,0 +1,1 @@
+"""The .proto contracts and their generated Python stubs (`make protos`)."""

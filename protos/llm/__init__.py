@@ -1,0 +1,1 @@
+"""Generated gRPC stubs; see protos/generate.py."""
