@@ -1,0 +1,1 @@
+"""Test fixtures: real tiny models and a real Hugging Face mirror, built at test time."""
