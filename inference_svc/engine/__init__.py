@@ -1,0 +1,1 @@
+"""Engine: request state, paged KV pool, planner, scheduler, sampler, model runner and step loop."""
