@@ -69,19 +69,19 @@ def test_prefix_hit_shares_blocks_and_caps_at_last_token() -> None:
 
 def test_cached_free_blocks_are_evicted_lru_and_rehit_from_free_list() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)
-    a = _req("a", list(range(8)) + [99])  # blocks 0,1 full, 2 partial
+    a = _req("a", [*range(8), 99])  # blocks 0,1 full, 2 partial
     assert _schedule(kv, a) == (0, 1, 2)
     kv.free(a)
     assert kv.pool.free_block_ids() == [2, 3, 1, 0]
     # A hit on free cached blocks takes them off the free list.
-    b = _req("b", list(range(8)) + [42])
+    b = _req("b", [*range(8), 42])
     assert _schedule(kv, b) == (0, 1, 2)
     assert kv.pool.free_block_ids() == [3]
     kv.free(b)
     # New unrelated 16 tokens need all 4 blocks: the uncached go first, then LRU tail (1), head (0).
     c = _req("c", list(range(500, 516)))
     assert _schedule(kv, c) == (2, 3, 1, 0)
-    assert kv.find_prefix(_req("x", list(range(8)) + [1])).num_tokens == 0  # evicted
+    assert kv.find_prefix(_req("x", [*range(8), 1])).num_tokens == 0  # evicted
     kv.free(c)
     assert _refcounts(kv) == [0] * 4
 
@@ -99,7 +99,7 @@ def test_allocation_failure_changes_nothing() -> None:
 
 def test_hit_on_free_block_is_not_counted_as_free_space() -> None:
     kv = KVCacheManager(num_blocks=3, block_size=4)
-    a = _req("a", list(range(8)) + [1])
+    a = _req("a", [*range(8), 1])
     assert _schedule(kv, a) == (0, 1, 2)
     kv.free(a)
     # Hits blocks 0,1 (both free) and needs 2 more: 3 - 2 hit = 1 free block left, so refuse.
