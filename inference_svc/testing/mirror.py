@@ -148,7 +148,7 @@ class MirrorFixture:
     def _fail(self, why: str) -> NoReturn:
         tail = self.log_path.read_text(errors="replace")[-4000:]
         print(f"--- olah log ({self.log_path}) ---\n{tail}", file=sys.stderr)
-        raise MirrorStartError(f"{why}; log tail:\n{tail}")
+        raise MirrorStartError(f"{why}; log {self.log_path}, its tail:\n{tail}")
 
     def stop(self) -> None:
         """Kill olah's process group and remove the temp dir; safe to call twice."""
