@@ -2,7 +2,7 @@
 
 `MirrorFixture` starts olah on 127.0.0.1 (port 0) in a temp dir and publishes directories as
 commits; `huggingface_hub` talks to it through `HF_ENDPOINT=fixture.url` with no other setting.
-What olah does, found by experiment (tests/testing/test_mirror.py pins each point):
+What olah does, found by experiment (tests/testing/test_mirror.py pins what clients rely on):
 
 - Revisions: `/api/models/{repo}/revision/{rev}` resolves branches, tags, full and abbreviated
   commits. `model_info(repo)` WITHOUT a revision fails (401 RepositoryNotFound): offline olah
@@ -17,10 +17,12 @@ What olah does, found by experiment (tests/testing/test_mirror.py pins each poin
   without complaint. No `X-Linked-Etag`/`X-Linked-Size`, no Xet headers (so hf_xet is never
   used). GET answers 200 chunked with no `content-length`/`etag`; `Range` is ignored (200, full
   body); each LFS object is read whole into memory (keep test files small).
-- Errors: unknown repo, revision or path give 401 `{"error": "Repository not found"}`
-  (huggingface_hub raises `RepositoryNotFoundError`), except a GET of a missing path at a valid
-  revision, which is a 500. A plain git blob of 121-149 bytes that parses as an LFS pointer is
-  taken for one: the fixture stores every LFS-matching file through LFS anyway.
+- Errors: an unknown repo, branch or tag gives 401 `{"error": "Repository not found"}`
+  (`RepositoryNotFoundError`). A missing path: HEAD 401 at a branch, 404 `EntryNotFound` at a
+  full sha; GET 500 (olah's KeyError). An unknown full 40-hex sha gives 500 everywhere.
+- `HfApi.list_repo_commits` raises KeyError 'user' (olah's authors lack it); refs, tree,
+  paths-info, model_info(revision=...), hf_hub_download and snapshot_download all work.
+- A plain blob of 121-149 bytes that parses as an LFS pointer is taken for one.
 - New commits are visible at once (olah opens the repo per request, no metadata caching for
   mirrors). olah's own cache dir and logs are kept inside the fixture's temp dir.
 """
