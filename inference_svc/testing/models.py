@@ -31,7 +31,7 @@ DTYPES = ("float32", "bfloat16")
 INDEX_NAME = "model.safetensors.index.json"
 CACHE_ENV = "LLM_FIXTURE_CACHE"
 # Bump when the factory's output changes for an unchanged spec: it is part of the cache key.
-FACTORY_VERSION = 1
+FACTORY_VERSION = 2
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -170,13 +170,20 @@ def build_model(spec: ModelSpec) -> tuple[PreTrainedModel, TokenizerInfo]:
 
     tok_info = _tokenizer_info(spec)
     config = _make_config(spec, tok_info)
-    torch.manual_seed(spec.seed)
-    # Initialise in float32 on CPU, then cast: the values do not depend on the target dtype's RNG path.
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    )
-    _randomize_trivial_params(model, spec.shape.initializer_range)
-    model = model.to(getattr(torch, spec.torch_dtype_name)).eval()
+    # fork_rng: seeding must not disturb the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        # Initialise in float32, then cast: bf16 values are the rounded fp32 ones.
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="eager"
+        )
+        _randomize_trivial_params(model, spec.shape.initializer_range)
+    dtype = getattr(torch, spec.torch_dtype_name)
+    # Parameters only: rotary inv_freq buffers stay float32, as from_pretrained keeps them.
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    model.eval()
+    model.config.dtype = dtype  # from_config recorded the float32 it initialised in
     return model, tok_info
 
 
@@ -306,6 +313,10 @@ def cached_model(spec: ModelSpec, cache_root: Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         try:
             make_model(spec, tmp)
+            # mkdtemp makes the directory private; the cache is shared.
+            for path in tmp.iterdir():
+                path.chmod(0o644)
+            tmp.chmod(0o755)
             os.rename(tmp, final)
         finally:
             if tmp.exists():

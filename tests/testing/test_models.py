@@ -98,6 +98,38 @@ def test_biases_and_norms_are_not_trivial(tiny_dirs: dict[str, Path]) -> None:
         assert f.get_tensor(bias).abs().sum() > 0
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModelSpec(family="qwen2", dtype="bfloat16", num_shards=2),
+        ModelSpec(family="qwen3", head_dim=32),  # head_dim != hidden / heads, as in real Qwen3
+        ModelSpec(family="llama", num_key_value_heads=1),  # multi-query
+        ModelSpec(family="mistral", num_key_value_heads=4),  # no grouping
+    ],
+    ids=["bf16", "head_dim", "mqa", "mha"],
+)
+def test_variants_reload_identically(spec: ModelSpec, tmp_path: Path) -> None:
+    model_dir = make_model(spec, tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["dtype"] == spec.torch_dtype_name
+    assert config["num_key_value_heads"] == spec.kv_heads
+    dtype = getattr(torch, spec.torch_dtype_name)
+    reloaded = load_reference(model_dir, dtype=dtype)
+    in_memory, _ = build_model(spec)
+    assert all(p.dtype == dtype for p in reloaded.parameters())
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, in_memory(ids).logits)
+
+
+def test_build_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_model(ModelSpec())
+    assert torch.equal(torch.rand(3), expected)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_tied_embeddings_store_no_lm_head(family: str, tmp_path: Path) -> None:
     spec = ModelSpec(family=family, tie_word_embeddings=True, vocab_size=515, num_shards=2)
@@ -153,6 +185,15 @@ def test_same_spec_is_byte_identical(tmp_path: Path) -> None:
     other = make_model(ModelSpec(family="qwen3", seed=8), tmp_path / "c")
     shard = "model-00002-of-00003.safetensors"
     assert (other / shard).read_bytes() != (a / shard).read_bytes()
+
+
+def test_tokenizer_training_is_deterministic() -> None:
+    from inference_svc.testing import tokenizer
+
+    # Bypass the per-process cache: two real training runs.
+    first = tokenizer._trained_json.__wrapped__(512)
+    assert first == tokenizer._trained_json.__wrapped__(512)
+    assert json.loads(first)["model"]["merges"]
 
 
 def test_cached_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,7 +261,7 @@ def test_llama3_rope_scaling_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_model_builds_and_loads(tmp_path: Path) -> None:
+def test_bench_model_builds_and_loads() -> None:
     model_dir = cached_model(ModelSpec(family="llama", size="bench"))
     config = json.loads((model_dir / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and config["hidden_size"] == 768
