@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -284,3 +286,22 @@ def test_publish_rejects_bad_repo_ids(mirror: MirrorFixture, tmp_path: Path) -> 
     for bad in ("noorg", "a/b/c", "../x", "org/.."):
         with pytest.raises(ValueError, match="org/name"):
             mirror.publish(bad, tmp_path)
+
+
+def test_env_points_a_fresh_process_at_the_mirror(
+    mirror: MirrorFixture, published: tuple[str, Path], tmp_path: Path
+) -> None:
+    # huggingface_hub reads HF_ENDPOINT once at import: a child process is the honest check.
+    commit, src = published
+    code = (
+        "import sys; from huggingface_hub import HfApi, snapshot_download; "
+        "print(HfApi().model_info('org/tiny', revision='main').sha); "
+        "print(snapshot_download('org/tiny', revision='main', cache_dir=sys.argv[1]))"
+    )
+    env = {**os.environ, **mirror.env}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, check=True
+    ).stdout.decode()
+    sha, path = out.split()
+    assert sha == commit
+    assert _files(Path(path)).keys() >= _files(src).keys()
