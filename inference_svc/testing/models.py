@@ -19,7 +19,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inference_svc.testing.tokenizer import CORPUS_PATH, TokenizerInfo, write_tokenizer
+from inference_svc.testing.tokenizer import (
+    CORPUS_PATH,
+    TokenizerInfo,
+    tokenizer_info,
+    write_tokenizer,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +34,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SIZES = ("tiny", "bench")
 DTYPES = ("float32", "bfloat16")
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 CACHE_ENV = "LLM_FIXTURE_CACHE"
 # Bump when the factory's output changes for an unchanged spec: it is part of the cache key.
 FACTORY_VERSION = 2
@@ -74,7 +80,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     num_key_value_heads: int | None = None
     vocab_size: int | None = None  # >= the tokenizer's vocabulary; larger pads the embedding
-    num_shards: int = 3
+    num_shards: int = 3  # 1: a single model.safetensors, no index
     max_position_embeddings: int | None = None
     rope_scaling: dict[str, Any] | None = None  # hub layout, e.g. {"rope_type": "llama3", ...}
     head_dim: int | None = None  # default hidden_size // num_attention_heads
@@ -168,7 +174,7 @@ def build_model(spec: ModelSpec) -> tuple[PreTrainedModel, TokenizerInfo]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    tok_info = _tokenizer_info(spec)
+    tok_info = tokenizer_info(spec.shape.tokenizer_vocab)
     config = _make_config(spec, tok_info)
     # fork_rng: seeding must not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
@@ -200,12 +206,6 @@ def _randomize_trivial_params(model: torch.nn.Module, std: float) -> None:
                 param.uniform_(0.5, 1.5)
 
 
-def _tokenizer_info(spec: ModelSpec) -> TokenizerInfo:
-    from inference_svc.testing.tokenizer import tokenizer_info
-
-    return tokenizer_info(spec.shape.tokenizer_vocab)
-
-
 def make_model(spec: ModelSpec, out_dir: Path) -> Path:
     """Write the checkpoint for `spec` into `out_dir` (created if missing) and return it."""
     out_dir = Path(out_dir)
@@ -222,7 +222,10 @@ def make_model(spec: ModelSpec, out_dir: Path) -> Path:
 def save_sharded(
     state_dict: dict[str, torch.Tensor], out_dir: Path, num_shards: int, tied: bool
 ) -> None:
-    """Split tensors in state-dict order into `num_shards` files of similar size, plus the index."""
+    """Split tensors in state-dict order into `num_shards` files of similar size, plus the index.
+
+    One shard is written as `model.safetensors` without an index, as `save_pretrained` does.
+    """
     from safetensors.torch import save_file
 
     tensors = {
@@ -231,6 +234,9 @@ def save_sharded(
         # Tied checkpoints carry only the embedding, as transformers writes them.
         if not (tied and name == "lm_head.weight")
     }
+    if num_shards == 1:
+        save_file(tensors, str(out_dir / SINGLE_FILE), {"format": "pt"})
+        return
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
     total = sum(sizes.values())
     n = min(num_shards, len(tensors))
@@ -310,6 +316,10 @@ def cached_model(spec: ModelSpec, cache_root: Path | None = None) -> Path:
     with _locked(root / f".{final.name}.lock"):
         if final.is_dir():
             return final
+        # Holding the lock, any temp dir of this key was left by a builder that died.
+        for stale in root.glob(f".{final.name}.*"):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         try:
             make_model(spec, tmp)

@@ -212,6 +212,21 @@ def test_cached_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert ModelSpec(family="mistral", num_shards=3).cache_key() != spec.cache_key()
 
 
+def test_cached_model_replaces_a_dead_builders_temp_dir(tmp_path: Path) -> None:
+    spec = ModelSpec(num_shards=1)
+    stale = tmp_path / f".{spec.cache_key()}.abandoned"
+    stale.mkdir()
+    (stale / "model-00001-of-00001.safetensors").write_bytes(b"half written")
+    built = cached_model(spec, tmp_path)
+    assert not stale.exists()
+    # One shard: the unindexed single-file layout.
+    assert [p.name for p in built.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (built / INDEX_NAME).exists()
+    with torch.no_grad():
+        ids = torch.tensor([PROMPTS[0]])
+        assert torch.equal(load_reference(built)(ids).logits, build_model(spec)[0](ids).logits)
+
+
 def test_cache_root_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(factory.CACHE_ENV, str(tmp_path / "env-cache"))
     assert factory.default_cache_root() == tmp_path / "env-cache"
