@@ -30,6 +30,7 @@ What olah does, found by experiment (tests/testing/test_mirror.py pins what clie
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -56,6 +57,16 @@ class MirrorStartError(RuntimeError):
 def _check_repo_id(repo_id: str) -> None:
     if not _REPO_ID_RE.match(repo_id) or ".." in repo_id:
         raise ValueError(f"repo_id must look like 'org/name', got {repo_id!r}")
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: if the test process dies without stop() (SIGKILL, a crash,
+    # a forgotten fixture), the kernel sends olah SIGTERM. Linux only; elsewhere a no-op.
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -126,6 +137,7 @@ class MirrorFixture:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # its own process group, killed as one in stop()
+                preexec_fn=_die_with_parent,
             )
         try:
             self._port = self._wait_listening()

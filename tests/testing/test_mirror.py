@@ -6,8 +6,11 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -305,3 +308,24 @@ def test_env_points_a_fresh_process_at_the_mirror(
     sha, path = out.split()
     assert sha == commit
     assert _files(Path(path)).keys() >= _files(src).keys()
+
+
+def test_olah_dies_with_a_test_process_that_never_stopped_it() -> None:
+    code = (
+        "import os; from inference_svc.testing.mirror import MirrorFixture; "
+        "m = MirrorFixture(); m.start(); print(m.pid, m.root, flush=True); os._exit(0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
+    pid_text, root = out.stdout.decode().split()
+    pid = int(pid_text)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(pid, signal.SIGKILL)
+        pytest.fail("olah outlived the process that started it")
+    shutil.rmtree(root)
