@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import shutil
@@ -109,27 +110,35 @@ class MirrorFixture:
         self.stop()
 
     def start(self) -> None:
+        """Launch olah and wait until it listens; on failure raise MirrorStartError, clean up."""
         if self._proc is not None:
             raise RuntimeError("mirror already started")
-        root = Path(tempfile.mkdtemp(prefix="olah-mirror-"))
-        self._root = root
+        self._root = Path(tempfile.mkdtemp(prefix="olah-mirror-"))
+        try:
+            self._proc = self._launch(self._root)
+            self._port = self._wait_listening()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _launch(self, root: Path) -> subprocess.Popen[bytes]:
         (root / "mirrors" / "models").mkdir(parents=True)
         config = root / "olah.toml"
         # port 0: uvicorn binds a free port and logs it; mirror-netloc is only used by olah's
-        # HTML index page, so its "127.0.0.1:0" default is harmless.
+        # HTML index page, so its "127.0.0.1:0" default is harmless. JSON strings are TOML strings.
         config.write_text(
             "[basic]\n"
             'host = "127.0.0.1"\n'
             "port = 0\n"
-            f'repos-path = "{root / "olah-cache"}"\n'
-            f'mirrors-path = ["{root / "mirrors"}"]\n'
+            f"repos-path = {json.dumps(str(root / 'olah-cache'))}\n"
+            f"mirrors-path = [{json.dumps(str(root / 'mirrors'))}]\n"
             "[accessibility]\n"
             "offline = true\n"
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
         log_args = ["--log-path", str(root / "olah-logs")]
         with self.log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
+            return subprocess.Popen(
                 [sys.executable, "-m", "olah.server", "-c", str(config), *log_args],
                 cwd=root,
                 stdin=subprocess.DEVNULL,
@@ -139,11 +148,6 @@ class MirrorFixture:
                 start_new_session=True,  # its own process group, killed as one in stop()
                 preexec_fn=_die_with_parent,
             )
-        try:
-            self._port = self._wait_listening()
-        except BaseException:
-            self.stop()
-            raise
 
     def _wait_listening(self) -> int:
         assert self._proc is not None
