@@ -118,6 +118,23 @@ class ModelShape:
             raise PlanError(f"config.json lacks required key {exc.args[0]!r}") from exc
 
     @classmethod
+    def from_model_config(cls, cfg: Any) -> ModelShape:
+        """From a parsed `inference_svc.model.config.ModelConfig` (same field names)."""
+        return cls(
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(cfg, "qkv_bias", False)),
+            qk_norm=bool(getattr(cfg, "qk_norm", False)),
+        )
+
+    @classmethod
     def from_config_file(cls, path: Path) -> ModelShape:
         path = Path(path)
         if path.is_dir():

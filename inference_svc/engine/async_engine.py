@@ -1,0 +1,153 @@
+"""AsyncEngine: the Engine's step loop in its own thread, with an asyncio face for the servers.
+
+Calls from the event loop become commands the engine thread applies between steps; outputs
+come back through `loop.call_soon_threadsafe` into one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+
+from inference_svc.engine.engine import Engine
+from inference_svc.engine.outputs import EngineStats, RequestOutput
+from inference_svc.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down or crashed); no more requests are served."""
+
+
+class AsyncEngine:
+    """Thread-safe front of an Engine. `submit` streams outputs; `abort` frees blocks at once."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: list[Callable[[], None]] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._stats = engine.stats()
+        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                        self._cv.wait()
+                    commands, self._commands = self._commands, []
+                    if self._stopping:
+                        break
+                for command in commands:
+                    command()
+                if self.engine.has_unfinished():
+                    for output in self.engine.step():
+                        self._deliver(output)
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # report to every waiter, then stop
+            log.exception("engine loop crashed")
+            self._error = exc
+        finally:
+            error = self._error or EngineDeadError("the engine was shut down")
+            for sink in list(self._sinks.values()):
+                sink(error)
+            self._sinks.clear()
+
+    def _deliver(self, output: RequestOutput) -> None:
+        sink = self._sinks.get(output.request_id)
+        if sink is not None:
+            sink(output)
+            if output.finished:
+                del self._sinks[output.request_id]
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            if self._stopping or not self._thread.is_alive():
+                raise EngineDeadError("the engine is not running") from self._error
+            self._commands.append(fn)
+            self._cv.notify()
+
+    # -- event loop side ------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_extra_keys: tuple[object, ...] = (),
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and stream its outputs; the last has `finished` set.
+
+        Admission errors (queue full, prompt too long, bad ids) are raised from the first
+        `__anext__`. Closing the iterator early (client gone) aborts the request.
+        """
+        rid = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        admitted: Future[None] = Future()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt, params, rid, cache_extra_keys)
+            except BaseException as exc:
+                admitted.set_exception(exc)
+                return
+            self._sinks[rid] = sink
+            admitted.set_result(None)
+
+        self._call(add)
+        await asyncio.wrap_future(admitted)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(str(item)) from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort from any thread; the final output (stop reason "aborted") goes to the stream."""
+
+        def do() -> None:
+            output = self.engine.abort(request_id)
+            if output is not None:
+                self._deliver(output)
+
+        with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
+            self._call(do)
+
+    def stats(self) -> EngineStats:
+        """Counters as of the last step (read without stopping the engine)."""
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        self.engine.shutdown()
