@@ -71,7 +71,7 @@ class FileDigest:
 class _Hasher:
     """sha256 and git blob sha1 over the file in order; chunks may arrive out of order."""
 
-    def __init__(self, size: int, prefix_file: Path) -> None:
+    def __init__(self, size: int, prefix_file: Path, save_every: int) -> None:
         self.sha256 = hashlib.sha256()
         self.sha1 = hashlib.sha1(f"blob {size}\0".encode())
         self.offset = 0
@@ -81,6 +81,7 @@ class _Hasher:
         self._cond = threading.Condition()
         self._prefix_file = prefix_file
         self._saved = 0
+        self._save_every = save_every
 
     def update_in_order(self, data: bytes | memoryview) -> None:
         if self.offset < 256:
@@ -117,9 +118,9 @@ class _Hasher:
             while offset >= self.offset + window and not stop.is_set():
                 self._cond.wait(0.2)
 
-    def save_prefix(self, every: int = 8 * MiB) -> None:
+    def save_prefix(self, force: bool = False) -> None:
         # A hint for resume after a crash: bytes below it were written (then re-hashed on resume).
-        if self.offset - self._saved >= every:
+        if self.offset > self._saved and (force or self.offset - self._saved >= self._save_every):
             self._prefix_file.write_text(str(self.offset))
             self._saved = self.offset
 
@@ -172,7 +173,7 @@ class FileDownload:
         size = self.rf.size
         start = resume_prefix(self.tmp) if resume else 0
         self._resumed = start > 0
-        self.hasher = _Hasher(size, prefix_path(self.tmp))
+        self.hasher = _Hasher(size, prefix_path(self.tmp), self.cfg.chunk_bytes)
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             self._reserve(fd, size)
@@ -180,9 +181,13 @@ class FileDownload:
                 self._rehash_prefix(fd, start)
                 self.on_bytes(start)
             self.fd = fd
-            if start < size:
-                self._transfer(start)
-            self._check_errors()
+            try:
+                if start < size:
+                    self._transfer(start)
+                self._check_errors()
+            except BaseException:
+                self.hasher.save_prefix(force=True)  # the next attempt resumes from here
+                raise
             digest = self._verify()
             os.fsync(fd)
         finally:
