@@ -99,7 +99,9 @@ class AsyncEngine:
         admitted: Future[None] = Future()
 
         def sink(item: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            # The caller's loop may be gone (its task was cancelled and the loop closed).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def add() -> None:
             try:

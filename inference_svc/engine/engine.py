@@ -153,6 +153,8 @@ class Engine:
         for i in range(n):
             # Distinct prompts, so the prefix cache does not shrink the warm-up steps.
             prompt = [(i * 131 + j * 7) % (vocab - 1) + 1 for j in range(per_seq)]
+            while len(self.scheduler.waiting) >= self.scheduler.config.max_waiting:
+                self.step()
             self.add_request(prompt, params, request_id=f"warmup-{i}")
         while self.has_unfinished():
             self.step()

@@ -1,0 +1,114 @@
+"""AsyncEngine: the step loop in its own thread; concurrent submits stream, abort frees blocks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from inference_svc.engine.async_engine import AsyncEngine, EngineDeadError
+from inference_svc.engine.engine import Engine, EngineConfig
+from inference_svc.engine.outputs import RequestOutput
+from inference_svc.engine.planner import ModelShape, kv_bytes_per_token
+from inference_svc.engine.request import StopReason
+from inference_svc.engine.sampling_params import SamplingParams
+from inference_svc.engine.scheduler import RequestTooLongError
+
+
+@pytest.fixture
+def async_engine(executor: Any) -> Iterator[AsyncEngine]:
+    per_token = kv_bytes_per_token(ModelShape.from_model_config(executor.config), 1, "float32")
+    config = EngineConfig(
+        block_size=4,
+        kv_cache_memory=256 * 4 * per_token,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        max_waiting=4,
+    )
+    engine = AsyncEngine(Engine(executor, None, config))
+    yield engine
+    # Shutting the async engine down would shut the shared executor; stop the thread only.
+    with engine._cv:
+        engine._stopping = True
+        engine._cv.notify()
+    engine._thread.join(10)
+
+
+async def _collect(it: Any) -> list[RequestOutput]:
+    return [out async for out in it]
+
+
+def test_concurrent_submits_match_transformers(
+    async_engine: AsyncEngine,
+    hf_greedy: Callable[[list[int], int], list[int]],
+    random_prompts: Callable[..., list[list[int]]],
+) -> None:
+    prompts = random_prompts(4, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def main() -> list[list[RequestOutput]]:
+        streams = [
+            async_engine.submit(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)
+        ]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    results = asyncio.run(main())
+    for prompt, outs in zip(prompts, results, strict=True):
+        assert [t for o in outs for t in o.new_token_ids] == hf_greedy(prompt, 8)
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    stats = async_engine.stats()
+    assert stats.num_finished == 4 and stats.running == 0
+
+
+def test_abort_and_closing_the_stream_free_blocks(async_engine: AsyncEngine) -> None:
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+    async def main() -> tuple[RequestOutput, int]:
+        stream = async_engine.submit(list(range(4, 30)), long, request_id="a")
+        first = await stream.__anext__()
+        assert not first.finished
+        async_engine.abort("a")
+        outs = [first] + await _collect(stream)
+        # Leaving a stream early (client gone) aborts its request too.
+        other = async_engine.submit(list(range(4, 30)), long, request_id="b")
+        await other.__anext__()
+        await other.aclose()  # type: ignore[attr-defined]
+        for _ in range(100):
+            if async_engine.stats().num_finished == 2:  # "a" and "b", both aborted
+                break
+            await asyncio.sleep(0.02)
+        return outs[-1], len(outs)
+
+    last, n = asyncio.run(main())
+    assert last.finished and last.stop_reason is StopReason.ABORTED and n < 100
+    kv = async_engine.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def test_admission_errors_surface_from_submit(async_engine: AsyncEngine) -> None:
+    async def first(prompt: list[int], rid: str) -> RequestOutput:
+        return await async_engine.submit(prompt, SamplingParams(max_tokens=2), rid).__anext__()
+
+    with pytest.raises(RequestTooLongError, match="max_model_len=128"):
+        asyncio.run(first(list(range(4, 200)), "too-long"))
+    with pytest.raises(ValueError, match="out of range"):
+        asyncio.run(first([10**6], "bad-id"))
+
+
+def test_shutdown_fails_pending_and_new_requests(executor: Any) -> None:
+    config = EngineConfig(block_size=4, kv_cache_memory=2**20, max_num_seqs=2,
+                          max_num_batched_tokens=32, max_model_len=64, warmup=False)  # fmt: skip
+    engine = AsyncEngine(Engine(executor, None, config))
+    with engine._cv:
+        engine._stopping = True
+        engine._cv.notify()
+    engine._thread.join(10)
+
+    async def main() -> None:
+        await engine.submit([5, 6], SamplingParams()).__anext__()
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(main())

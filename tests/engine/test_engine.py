@@ -1,0 +1,199 @@
+"""Engine against the transformers oracle: 32 concurrent greedy requests, preemption, prefix cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from inference_svc.engine.engine import Engine, EngineConfig
+from inference_svc.engine.outputs import RequestOutput
+from inference_svc.engine.planner import InsufficientMemoryError, ModelShape, kv_bytes_per_token
+from inference_svc.engine.request import StopReason
+from inference_svc.engine.sampling_params import SamplingParams
+
+MAX_NEW = 8
+HFGreedy = Callable[[list[int], int], list[int]]
+Prompts = Callable[..., list[list[int]]]
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+
+
+def make_engine(
+    executor: Any, num_blocks: int = 1024, block_size: int = 4, tokenizer: Any = None, **kw: Any
+) -> Engine:
+    per_token = kv_bytes_per_token(
+        ModelShape.from_model_config(executor.config), executor.tp_size, "float32"
+    )
+    options: dict[str, Any] = {
+        "max_num_seqs": 32,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 128,
+        "long_prefill_threshold": 32,
+        **kw,
+    }
+    config = EngineConfig(
+        block_size=block_size, kv_cache_memory=num_blocks * block_size * per_token, **options
+    )
+    return Engine(executor, tokenizer, config)
+
+
+def run_all(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> dict[str, RequestOutput | list[int]]:
+    """Submit everything at once, step to the end; returns id -> tokens and id/final -> output."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    tokens: dict[str, Any] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                tokens[out.request_id + "/final"] = out
+    return tokens
+
+
+def assert_pool_empty(engine: Engine) -> None:
+    pool = engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+def test_32_concurrent_requests_match_transformers(
+    executor: Any, hf_greedy: HFGreedy, random_prompts: Prompts
+) -> None:
+    engine = make_engine(executor)
+    prompts = random_prompts(32)
+    assert max(map(len, prompts)) > 32  # some prefills are chunked across steps
+    got = run_all(engine, prompts)
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == hf_greedy(prompt, MAX_NEW), f"prompt {i} (len {len(prompt)})"
+        final = got[f"{i}/final"]
+        assert isinstance(final, RequestOutput)
+        assert final.usage.prompt_tokens == len(prompt)
+        assert final.usage.completion_tokens == len(got[str(i)])
+        assert final.stop_reason in (StopReason.LENGTH, StopReason.EOS_TOKEN)
+    stats = engine.stats()
+    assert stats.num_finished == 32 and stats.running == 0 and stats.waiting == 0
+    assert_pool_empty(engine)
+
+
+def test_preemption_keeps_outputs_exact(
+    executor: Any, hf_greedy: HFGreedy, random_prompts: Prompts
+) -> None:
+    # 40 blocks of 4 tokens cannot hold 32 sequences of up to 77 tokens: preemption must happen.
+    engine = make_engine(executor, num_blocks=40, max_model_len=80)
+    prompts = random_prompts(32, seed=1)
+    got = run_all(engine, prompts)
+    assert engine.stats().num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == hf_greedy(prompt, MAX_NEW), f"prompt {i}"
+    assert_pool_empty(engine)
+
+
+def test_shared_prefix_hits_cache_and_changes_nothing(
+    executor: Any, hf_greedy: HFGreedy, random_prompts: Prompts
+) -> None:
+    prefix = random_prompts(1, seed=2, lo=41, hi=42)[0]
+    prompts = [prefix + tail for tail in random_prompts(8, seed=3, lo=1, hi=20)]
+    engine = make_engine(executor)
+    first = run_all(engine, prompts[:1])
+    rest = run_all(engine, prompts[1:])
+    for i, prompt in enumerate(prompts[1:]):
+        final = rest[f"{i}/final"]
+        assert isinstance(final, RequestOutput)
+        assert final.usage.cached_prompt_tokens == 40  # 10 full blocks of the 41-token prefix
+        assert rest[str(i)] == hf_greedy(prompt, MAX_NEW)
+    assert first["0"] == hf_greedy(prompts[0], MAX_NEW)
+    stats = engine.stats()
+    assert stats.prefix_hit_tokens == 7 * 40
+    assert_pool_empty(engine)
+    uncached = make_engine(executor, enable_prefix_caching=False)
+    plain = run_all(uncached, prompts[1:])
+    assert all(plain[str(i)] == rest[str(i)] for i in range(7))
+    assert uncached.stats().prefix_hit_tokens == 0
+
+
+def test_abort_and_time_limit_free_blocks(executor: Any) -> None:
+    engine = make_engine(executor)
+    engine.add_request(list(range(4, 40)), SamplingParams(max_tokens=50, temperature=0), "a")
+    engine.add_request(
+        list(range(4, 30)), SamplingParams(max_tokens=50, temperature=0, time_limit_s=1e-9), "t"
+    )
+    outputs = engine.step()
+    assert [(o.request_id, o.stop_reason) for o in outputs if o.finished] == [
+        ("t", StopReason.TIME_LIMIT)
+    ]
+    engine.step()
+    final = engine.abort("a")
+    assert final is not None and final.finished and final.stop_reason is StopReason.ABORTED
+    assert engine.abort("a") is None
+    assert not engine.has_unfinished()
+    assert_pool_empty(engine)
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(
+    executor: Any, random_prompts: Prompts
+) -> None:
+    engine = make_engine(executor)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
+    alone = run_all(engine, [[5, 6, 7, 8]], seeded)["0"]
+    others = SamplingParams(max_tokens=12, temperature=1.0)
+    for i, prompt in enumerate(random_prompts(5, seed=4)):
+        engine.add_request(prompt, others, request_id=f"other{i}")
+    engine.add_request([5, 6, 7, 8], seeded, request_id="again")
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "again":
+                tokens.extend(out.new_token_ids)
+    assert tokens == alone and len(set(tokens)) > 1
+
+
+def test_min_and_max_tokens_and_logprobs(executor: Any) -> None:
+    engine = make_engine(executor)
+    params = SamplingParams(max_tokens=5, min_tokens=5, temperature=0, logprobs=3)
+    final = run_all(engine, [[9, 10, 11]], params)["0/final"]
+    assert isinstance(final, RequestOutput)
+    assert final.usage.completion_tokens == 5 and final.stop_reason is StopReason.LENGTH
+
+
+def test_refuses_when_one_max_length_request_cannot_fit(executor: Any) -> None:
+    with pytest.raises(InsufficientMemoryError) as err:
+        make_engine(executor, num_blocks=10, max_model_len=128)
+    assert err.value.advised_max_model_len == 40
+
+
+def test_stop_string_never_emitted(executor: Any, tokenizer: Any) -> None:
+    engine = make_engine(executor, tokenizer=tokenizer)
+    prompt = tokenizer.encode("The quick brown fox")
+    free = run_all(engine, [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    text = tokenizer.decode(free["0"])
+    stop = text[6:10]
+    assert len(stop.strip()) >= 2, text
+    engine.add_request(
+        prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(stop,)), "s"
+    )
+    streamed = ""
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.new_text
+            assert stop not in streamed
+            final = out
+    assert final is not None and final.stop_reason is StopReason.STOP_STRING
+    assert final.stop_detail == stop
+    assert streamed == text[: text.index(stop)]
+    assert_pool_empty(engine)
+
+
+def test_bounded_queue_rejects_with_queue_full(executor: Any) -> None:
+    from inference_svc.engine.scheduler import QueueFullError
+
+    engine = make_engine(executor, max_waiting=2)
+    engine.add_request([5, 6], GREEDY, "a")
+    engine.add_request([5, 7], GREEDY, "b")
+    with pytest.raises(QueueFullError, match="limit 2"):
+        engine.add_request([5, 8], GREEDY, "c")
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request([-1], GREEDY, "d")
