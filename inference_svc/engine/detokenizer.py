@@ -73,7 +73,15 @@ class IncrementalDetokenizer:
         return DetokenizerUpdate(self._release(len(self.text) - self._held_back()))
 
     def flush(self) -> str:
-        """The rest of the text, when the request ends for any other reason."""
+        """The rest of the text, when the request ends for any other reason.
+
+        Bytes of an unfinished character come out as U+FFFD, as a full decode would give them.
+        """
+        if self.stopped is None and self._read < len(self._ids):
+            prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+            full_text = self._tok.decode(self._ids[self._prefix :], self._skip)
+            self.text += full_text[len(prefix_text) :]
+            self._prefix = self._read = len(self._ids)
         return self._release(len(self.text))
 
     def _held_back(self) -> int:

@@ -67,3 +67,12 @@ def test_held_back_text_is_released_when_no_stop_follows(tok: Tokenizer) -> None
 def test_earliest_stop_wins(tok: Tokenizer) -> None:
     pieces, detok = _stream(tok, TEXT, ("dog", "brown"))
     assert "".join(pieces) == "The quick " and detok.stopped == "brown"
+
+
+def test_flush_releases_an_unfinished_character(tok: Tokenizer) -> None:
+    ids = tok.encode("ok 🙂", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tok, [])
+    emitted = "".join(detok.add_token(t).text for t in ids[:-1])
+    assert "\ufffd" not in emitted  # the emoji's bytes are incomplete: nothing of it yet
+    assert tok.decode(ids[:-1]).endswith("\ufffd")
+    assert emitted + detok.flush() == tok.decode(ids[:-1])
