@@ -339,11 +339,15 @@ def plan_memory(inputs: PlanInputs) -> MemoryPlan:
             else "no KV cache fits at all: raise the memory budget, lower the activation peak "
             "(fewer batched tokens) or use more tensor-parallel ranks"
         )
+        source = (
+            f"the KV cache memory of {inputs.kv_cache_bytes} bytes"
+            if inputs.kv_cache_bytes is not None
+            else f"budget {inputs.memory_budget_bytes} - weights {weights} - activations "
+            f"{inputs.activation_peak_bytes} - overhead {inputs.runtime_overhead_bytes}"
+        )
         raise InsufficientMemoryError(
             f"one request of max_model_len={inputs.max_model_len} tokens needs {needed} KV blocks "
-            f"({needed * block_bytes} bytes) but only {num_blocks} fit "
-            f"(budget {inputs.memory_budget_bytes} - weights {weights} - activations "
-            f"{inputs.activation_peak_bytes} - overhead {inputs.runtime_overhead_bytes}); "
+            f"({needed * block_bytes} bytes) but only {num_blocks} fit ({source}); "
             f"{lack} more bytes are needed; {hint}",
             advised_max_model_len=advised,
         )

@@ -166,3 +166,15 @@ def test_cli_refusal_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert json.loads(out)["advised_max_model_len"] == 0
     rc, _, err = _cli(["--config", str(tmp_path / "nope"), "--memory", "16GB"], capsys)
     assert rc == 1 and "config file not found" in err
+
+
+def test_inference_svc_plan_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from inference_svc.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    rc = main(["plan", "--config", str(tmp_path / "config.json"), "--memory", "40GB", "--json"])
+    figures = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert figures["weight_bytes_per_rank"] == 13_476_831_232
+    assert figures["kv_bytes_per_token"] == 524_288
+    assert figures["num_parameters"] == 6_738_415_616
