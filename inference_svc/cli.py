@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("inference_svc.engine.plan_cli", "print the memory plan for a config, no weights needed"),
     "preshard": ("inference_svc.loader.preshard_cli", "write one safetensors set per TP rank"),
+    "serve": ("inference_svc.server.serve_cli", "serve the gRPC APIs"),
 }
 
 

@@ -1,0 +1,234 @@
+"""The server process: bind, health NOT_SERVING, get weights (local dir or sidecar), build and
+warm the engine, health SERVING; on stop, drain in-flight requests within a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inference_svc.engine.async_engine import AsyncEngine
+from inference_svc.engine.engine import Engine, EngineConfig
+from inference_svc.server.native import InferenceServicer
+from inference_svc.server.runtime import LoadedModel, ModelCard, ServingState
+from inference_svc.server.sidecar_client import SidecarClient, SidecarModel, parse_model_ref
+from inference_svc.server.tgis import GenerationServicer
+from inference_svc.server.validation import ModelLimits
+from protos.fmaas import generation_pb2, generation_pb2_grpc
+from protos.llm.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICES = (
+    inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+    generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+)
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `inference-svc serve` takes; exactly one of model_dir and sidecar is set."""
+
+    model_dir: Path | None = None
+    sidecar: str | None = None  # host:port of the weight-cache sidecar
+    model_ref: str | None = None  # org/name@<commit>, with sidecar
+    lease_holder: str = ""
+    sidecar_timeout_s: float = 600.0
+    host: str = "[::]"
+    port: int = 50051
+    port_file: Path | None = None
+    grace_s: float = 30.0
+    tensor_parallel_size: int = 1
+    dtype: str | None = None
+    device: str = "cpu"
+    kv_cache_memory: int | None = None
+    max_waiting: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_new_tokens: int | None = None  # server default; None: generation_config, else 256
+
+    def __post_init__(self) -> None:
+        if (self.model_dir is None) == (self.sidecar is None):
+            raise ValueError("give exactly one of --model-dir and --sidecar")
+        if self.sidecar is not None:
+            if not self.model_ref:
+                raise ValueError("--sidecar needs --model org/name@<40-hex commit>")
+            parse_model_ref(self.model_ref)
+        if self.grace_s < 0:
+            raise ValueError(f"--grace must be >= 0, got {self.grace_s}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def resolved_lease_holder(self) -> str:
+        return self.lease_holder or f"inference-svc/{socket.gethostname()}/{os.getpid()}"
+
+
+def load_model(
+    model_dir: Path, cfg: ServerConfig, model_id: str, revision: str, digest: str
+) -> LoadedModel:
+    """Tokenizer, executor, engine (memory plan, KV pool, warm-up): the slow, blocking part."""
+    from inference_svc.llm import _torch_dtype
+    from inference_svc.loader.tokenizer import load_tokenizer
+    from inference_svc.model.executor import create_executor
+
+    t0 = time.monotonic()
+    tokenizer = load_tokenizer(model_dir)
+    executor = create_executor(
+        model_dir,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        dtype=_torch_dtype(cfg.dtype),
+        device=cfg.device,
+    )
+    engine_cfg = EngineConfig(
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        max_waiting=cfg.max_waiting,
+        kv_cache_memory=cfg.kv_cache_memory,
+    )
+    try:
+        engine = Engine(executor, tokenizer, engine_cfg, device=cfg.device)
+    except BaseException:
+        executor.shutdown()
+        raise
+    mc = executor.config
+    limits = ModelLimits(
+        vocab_size=mc.vocab_size,
+        max_model_len=engine.max_model_len,
+        default_max_new_tokens=cfg.max_new_tokens or tokenizer.generation.max_new_tokens or 256,
+    )
+    card = ModelCard(
+        model_id=model_id,
+        architecture=mc.architecture,
+        revision=revision,
+        manifest_digest=digest,
+        dtype=str(getattr(executor, "dtype", None) or mc.dtype).removeprefix("torch."),
+        tensor_parallel_size=executor.tp_size,
+        kv_block_size=engine_cfg.block_size,
+        kv_blocks=engine.plan.num_blocks,
+        max_waiting=engine_cfg.max_waiting,
+        has_chat_template=tokenizer.chat_template is not None,
+        prefix_caching=engine_cfg.enable_prefix_caching,
+    )
+    log.info(
+        "loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens",
+        model_id,
+        card.architecture,
+        card.dtype,
+        time.monotonic() - t0,
+        card.kv_blocks,
+        card.kv_block_size,
+    )
+    return LoadedModel(AsyncEngine(engine), tokenizer, limits, card)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(str(port))
+    tmp.replace(path)  # readers never see a half-written port
+
+
+class InferenceServer:
+    """One grpc.aio server with the native and TGIS servicers, health and reflection."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.state = ServingState()
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server()
+        self.port = 0
+        self._sidecar: SidecarClient | None = None
+        self._leased: SidecarModel | None = None
+        inference_pb2_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(self.state), self.server
+        )
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.state), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *SERVICES):
+            await self.health.set(name, status)
+
+    async def start(self) -> int:
+        """Bind and serve health (NOT_SERVING) before the model loads, so probes get answers."""
+        await self._set_health(False)
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
+        await self.server.start()
+        if self.cfg.port_file is not None:
+            _write_port_file(self.cfg.port_file, self.port)
+        log.info("listening on port %d (NOT_SERVING until the model is warm)", self.port)
+        return self.port
+
+    async def load(self) -> None:
+        cfg = self.cfg
+        if cfg.sidecar is not None and cfg.model_ref is not None:
+            repo, commit = parse_model_ref(cfg.model_ref)
+            self._sidecar = SidecarClient(cfg.sidecar, cfg.resolved_lease_holder)
+            model = await self._sidecar.ensure(repo, commit, cfg.sidecar_timeout_s)
+            await self._sidecar.lease(model)
+            self._leased = model
+            args = (model.local_path, cfg, repo, commit, model.manifest_digest)
+        else:
+            assert cfg.model_dir is not None  # ServerConfig guarantees one source
+            path = cfg.model_dir.resolve()
+            # A directory inside a Hugging Face cache is named by its commit.
+            revision = path.name if _COMMIT_RE.match(path.name) else ""
+            args = (path, cfg, str(cfg.model_dir), revision, "")
+        loaded = await asyncio.to_thread(load_model, *args)
+        self.state.set_model(loaded)
+        if not self.state.draining:
+            await self._set_health(True)
+        log.info("SERVING on port %d", self.port)
+
+    async def drain(self, grace_s: float | None = None) -> bool:
+        """Stop taking requests, let in-flight ones finish within the grace period, then stop.
+
+        Returns True when every in-flight request finished in time.
+        """
+        grace = self.cfg.grace_s if grace_s is None else grace_s
+        self.state.draining = True
+        await self.health.enter_graceful_shutdown()
+        log.info("draining: %d in flight, grace %.1fs", len(self.state.active), grace)
+        clean = await self.state.wait_idle(grace)
+        if not clean:
+            log.warning("grace period over: aborting %d requests", len(self.state.active))
+            if self.state.loaded:
+                self.state.abort_all()
+        await self.server.stop(1.0)
+        await self.close()
+        return clean
+
+    async def close(self) -> None:
+        if self.state.loaded:
+            await asyncio.to_thread(self.state.model.engine.shutdown)
+        if self._sidecar is not None:
+            if self._leased is not None:
+                await self._sidecar.release(self._leased)
+            await self._sidecar.close()
+            self._sidecar = None

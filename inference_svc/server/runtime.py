@@ -1,0 +1,160 @@
+"""What both servicers share: the engine once it is warm, the model card, admission and draining.
+
+`ServingState.stream` turns a validated request into engine outputs and every refusal into a
+`StatusError` carrying the gRPC code: overload RESOURCE_EXHAUSTED, loading or draining UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import grpc
+
+from inference_svc.engine.async_engine import AsyncEngine, EngineDeadError
+from inference_svc.engine.outputs import RequestOutput
+from inference_svc.engine.scheduler import QueueFullError, RequestTooLongError
+from inference_svc.server.validation import GenerationInput, ModelLimits, PromptTokenizer
+
+
+class StatusError(Exception):
+    """A refusal with its gRPC status code; servicers pass it to `context.abort`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ServerTokenizer(PromptTokenizer, Protocol):
+    chat_template: str | None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """Facts about the served model that clients can ask for."""
+
+    model_id: str
+    architecture: str
+    revision: str
+    manifest_digest: str
+    dtype: str
+    tensor_parallel_size: int
+    kv_block_size: int
+    kv_blocks: int
+    max_waiting: int
+    has_chat_template: bool
+    prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    engine: AsyncEngine
+    tokenizer: ServerTokenizer
+    limits: ModelLimits
+    card: ModelCard
+
+
+class ServingState:
+    """Shared by the servicers of one server; lives on the server's event loop."""
+
+    def __init__(self) -> None:
+        self._model: LoadedModel | None = None
+        self.draining = False
+        # request id -> the task serving it, for Abort and for duplicate ids.
+        self.active: dict[str, asyncio.Task[Any] | None] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def set_model(self, model: LoadedModel) -> None:
+        self._model = model
+
+    @property
+    def model(self) -> LoadedModel:
+        if self._model is None:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry")
+        return self._model
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def check_accepting(self) -> LoadedModel:
+        if self.draining:
+            raise StatusError(
+                grpc.StatusCode.UNAVAILABLE, "the server is draining; retry on another replica"
+            )
+        model = self.model
+        if not model.engine.is_running:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the engine has stopped")
+        return model
+
+    def token_text(self, token_id: int) -> str:
+        return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def stream(
+        self, gen: GenerationInput, request_id: str = ""
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request; the engine request is aborted if the caller stops early."""
+        model = self.check_accepting()
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.active:
+            raise StatusError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
+            )
+        self.active[rid] = asyncio.current_task()
+        self._idle.clear()
+        finished = False
+        try:
+            # submit() is an async generator: closing it is what aborts an unfinished request.
+            outputs = cast(
+                AsyncGenerator[RequestOutput, None],
+                model.engine.submit(list(gen.prompt_token_ids), gen.params, rid),
+            )
+            async with contextlib.aclosing(outputs):
+                try:
+                    first = await outputs.__anext__()
+                except QueueFullError as e:
+                    raise StatusError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is overloaded: {e}"
+                    ) from None
+                except RequestTooLongError as e:
+                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                except EngineDeadError as e:
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                finished = first.finished
+                yield first
+                async for out in outputs:
+                    finished = out.finished
+                    yield out
+        finally:
+            # Cancellation (client gone, deadline) lands here: free the KV blocks at once.
+            if not finished:
+                model.engine.abort(rid)
+            self.active.pop(rid, None)
+            if not self.active:
+                self._idle.set()
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self.active:
+            return False
+        self.model.engine.abort(request_id)
+        return True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait for in-flight requests to end; False if some are still running at the timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def abort_all(self) -> None:
+        for rid in list(self.active):
+            self.model.engine.abort(rid)
