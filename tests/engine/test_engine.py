@@ -197,3 +197,32 @@ def test_bounded_queue_rejects_with_queue_full(executor: Any) -> None:
         engine.add_request([5, 8], GREEDY, "c")
     with pytest.raises(ValueError, match="out of range"):
         engine.add_request([-1], GREEDY, "d")
+
+
+def test_pool_sized_from_budget_minus_weights_activations_overhead(executor: Any) -> None:
+    shape = ModelShape.from_model_config(executor.config)
+    block_bytes = 4 * kv_bytes_per_token(shape, 1, "float32")
+    weights = executor.weight_bytes_per_rank()
+    activation = executor.profile_peak_activation_bytes(64, 8)
+    assert weights > 0 and activation > 0
+    overhead = 1000
+    budget = weights + activation + overhead + 50 * block_bytes + block_bytes // 2
+    config = EngineConfig(
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        memory_budget=budget,
+        runtime_overhead=overhead,
+        warmup=False,
+    )
+    engine = Engine(executor, None, config)
+    assert engine.plan.num_blocks == 50
+    assert engine.plan.activation_bytes == activation
+    assert engine.plan.weight_bytes == weights
+    with pytest.raises(InsufficientMemoryError, match="max_model_len=32"):
+        Engine(
+            executor,
+            None,
+            EngineConfig(**{**config.__dict__, "memory_budget": budget - 42 * block_bytes}),
+        )
