@@ -122,3 +122,35 @@ def test_invalid_params_are_named() -> None:
     with pytest.raises(InvalidSamplingParams, match="stop strings"):
         SamplingParams(stop=("",))
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_masks_agree_with_transformers_warpers(seed: int) -> None:
+    """Each transform against the transformers logits processor of the same name, row by row."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+        TypicalLogitsWarper,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 300, generator=gen) * 3
+    ids = torch.randint(0, 300, (4, 20), generator=gen)
+    for k in (1, 5, 40):
+        ours = top_k_mask(logits, torch.full((4,), k))
+        assert torch.equal(ours, TopKLogitsWarper(k)(ids, logits.clone()))
+    for p in (0.1, 0.5, 0.9):
+        ours = top_p_mask(logits, torch.full((4,), p))
+        assert torch.equal(ours.isinf(), TopPLogitsWarper(p)(ids, logits.clone()).isinf())
+    for m in (0.05, 0.3):
+        ours = min_p_mask(logits, torch.full((4,), m))
+        assert torch.equal(ours.isinf(), MinPLogitsWarper(m)(ids, logits.clone()).isinf())
+    for mass in (0.2, 0.7, 0.95):
+        ours = typical_p_mask(logits, torch.full((4,), mass))
+        theirs = TypicalLogitsWarper(mass)(ids, logits.clone())
+        assert torch.equal(ours.isinf(), theirs.isinf())
+    seen = torch.zeros(4, 300, dtype=torch.bool).scatter(1, ids, True)
+    ours = apply_repetition_penalty(logits, seen, torch.full((4,), 1.3))
+    assert torch.allclose(ours, RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone()))
