@@ -1,0 +1,180 @@
+"""Install a checkpoint's tensors into a model built on the meta device, for one TP rank.
+
+Each rank reads only its plan's slices. On CPU a slice that needs no cast and no re-layout is
+used in place from the mapping (zero copy); others are copied once, several at a time. On CUDA
+bytes go through pinned staging buffers with copies in flight on a side stream.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inference_svc.loader.checkpoint import Checkpoint
+from inference_svc.loader.errors import MissingTensorError, UnexpectedTensorError
+from inference_svc.loader.tp_plan import TensorPlan, TensorPlanError, plan_tensor
+from inference_svc.model.llama import CausalLM
+from inference_svc.model.parallel import Loadable
+
+COPY_THREADS = 4
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank's load cost."""
+
+    rank: int
+    tp_size: int
+    num_tensors: int
+    bytes_read: int  # bytes of this rank's slices: what it copied or uses in place
+    bytes_in_place: int  # of those, used in place from the mapping (zero copy)
+    checkpoint_bytes: int  # all weight bytes in the checkpoint
+    seconds: float
+    peak_rss_bytes: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def summary(self) -> str:
+        return (
+            f"rank {self.rank}/{self.tp_size}: {self.num_tensors} tensors, "
+            f"{self.bytes_read / 1e6:.1f} MB of {self.checkpoint_bytes / 1e6:.1f} MB "
+            f"({self.bytes_in_place / 1e6:.1f} MB in place) in {self.seconds * 1e3:.1f} ms, "
+            f"{self.gb_per_s:.2f} GB/s, peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB"
+        )
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def plan_checkpoint(ckpt: Checkpoint, model: CausalLM) -> list[TensorPlan]:
+    """Every checkpoint tensor's plan for this model's rank; missing/unknown tensors refused."""
+    cfg, tp = model.config, model.tp
+    plans: list[TensorPlan] = []
+    for name in ckpt.names:
+        info = ckpt.info(name)
+        try:
+            plan = plan_tensor(name, info.shape, cfg, tp.size, tp.rank)
+        except TensorPlanError as e:
+            raise UnexpectedTensorError(ckpt.file_of(name).path, str(e), name) from None
+        if plan is not None:
+            plans.append(plan)
+    wanted = {n for n, _ in model.named_parameters()}
+    if cfg.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+    missing = wanted - {p.param for p in plans}
+    if missing:
+        raise MissingTensorError(
+            ckpt.model_dir, f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}"
+        )
+    return plans
+
+
+def load_weights(
+    model: CausalLM,
+    ckpt: Checkpoint,
+    device: torch.device | str = "cpu",
+    plans: list[TensorPlan] | None = None,
+    threads: int = COPY_THREADS,
+) -> LoadReport:
+    """Read this rank's slices into `model` (built on meta); returns what the load cost."""
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    plans = plan_checkpoint(ckpt, model) if plans is None else plans
+    # Read in file order: sequential within each shard, so readahead helps on a cold cache.
+    plans = sorted(plans, key=lambda p: (str(ckpt.file_of(p.name).path), ckpt.info(p.name).start))
+    jobs = [(p, ckpt.view(p.name)[p.index]) for p in plans]  # views: nothing read yet
+    if device.type == "cuda":
+        _install_cuda(model, jobs, device)
+    else:
+        _install_cpu(model, jobs, threads)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    bytes_read = sum(part.numel() * part.element_size() for _, part in jobs)
+    in_place = sum(
+        part.numel() * part.element_size()
+        for p, part in jobs
+        if part.numel() and model.get_parameter(p.param).data_ptr() == part.data_ptr()
+    )
+    left = [n for n, prm in model.named_parameters() if prm.is_meta]
+    if left:
+        raise MissingTensorError(ckpt.model_dir, f"weights never installed: {left[:3]}")
+    return LoadReport(
+        rank=model.tp.rank,
+        tp_size=model.tp.size,
+        num_tensors=len(jobs),
+        bytes_read=bytes_read,
+        bytes_in_place=in_place,
+        checkpoint_bytes=ckpt.total_bytes,
+        seconds=time.perf_counter() - t0,
+        peak_rss_bytes=peak_rss_bytes(),
+    )
+
+
+def _installer(model: CausalLM, plan: TensorPlan) -> Callable[[torch.Tensor], None]:
+    owner = model.get_submodule(plan.module)
+    if not isinstance(owner, Loadable):
+        raise TypeError(f"{plan.module} has no weight_loader")
+    param = model.get_parameter(plan.param)
+
+    def install(loaded: torch.Tensor) -> None:
+        owner.weight_loader(param, loaded, plan.shard_id)
+
+    return install
+
+
+def _install_cpu(
+    model: CausalLM, jobs: Iterable[tuple[TensorPlan, torch.Tensor]], threads: int
+) -> None:
+    # torch copies release the GIL: several tensors are copied at once.
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        futures = [pool.submit(_installer(model, plan), part) for plan, part in jobs]
+        for f in futures:
+            f.result()
+
+
+def _install_cuda(
+    model: CausalLM,
+    jobs: list[tuple[TensorPlan, torch.Tensor]],
+    device: torch.device,
+    in_flight: int = 4,
+) -> None:
+    """mmap slice -> pinned buffer (CPU copy) -> GPU (async on a side stream), `in_flight` deep."""
+    if not jobs:
+        return
+    largest = max(part.numel() * part.element_size() for _, part in jobs)
+    buffers = [torch.empty(largest, dtype=torch.uint8).pin_memory() for _ in range(in_flight)]
+    events: list[torch.cuda.Event | None] = [None] * in_flight
+    stream = torch.cuda.Stream(device=device)
+    for i, (plan, part) in enumerate(jobs):
+        slot = i % in_flight
+        ev = events[slot]
+        if ev is not None:
+            ev.synchronize()  # the copy that last used this buffer has landed
+        nbytes = part.numel() * part.element_size()
+        staged = buffers[slot][:nbytes].view(part.dtype).view(part.shape)
+        staged.copy_(part)
+        with torch.cuda.stream(stream):
+            on_gpu = torch.empty(part.shape, dtype=part.dtype, device=device)
+            on_gpu.copy_(staged, non_blocking=True)
+            _installer(model, plan)(on_gpu)  # casts/pads on the same stream, if needed
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events[slot] = ev
+    stream.synchronize()
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def release(model: nn.Module) -> None:
+    """Drop all weights (and with them, the mappings they hold)."""
+    for module in model.modules():
+        for key in list(module._parameters):
+            module._parameters[key] = None
