@@ -102,20 +102,24 @@ class LLM:
             raise ValueError(f"{len(param_list)} SamplingParams for {len(prompt_list)} prompts")
         order: list[str] = []
         state: dict[str, dict[str, Any]] = {}
+        scheduler = self.engine.scheduler
+        pending = list(zip(prompt_list, param_list, strict=True))[::-1]
         try:
-            for prompt, p in zip(prompt_list, param_list, strict=True):
-                rid = f"llm-{next(self._ids)}"
-                request = self.engine.add_request(prompt, p, request_id=rid)
-                order.append(rid)
-                state[rid] = {
-                    "prompt": list(request.prompt_token_ids),
-                    "ids": [],
-                    "text": [],
-                    "lp": [] if p.logprobs is not None else None,
-                    "top": [] if p.logprobs is not None else None,
-                    "final": None,
-                }
-            while self.engine.has_unfinished():
+            while pending or self.engine.has_unfinished():
+                # Offline callers may pass more prompts than the waiting queue admits: feed it.
+                while pending and len(scheduler.waiting) < scheduler.config.max_waiting:
+                    prompt, p = pending.pop()
+                    rid = f"llm-{next(self._ids)}"
+                    request = self.engine.add_request(prompt, p, request_id=rid)
+                    order.append(rid)
+                    state[rid] = {
+                        "prompt": list(request.prompt_token_ids),
+                        "ids": [],
+                        "text": [],
+                        "lp": [] if p.logprobs is not None else None,
+                        "top": [] if p.logprobs is not None else None,
+                        "final": None,
+                    }
                 for out in self.engine.step():
                     st = state[out.request_id]
                     st["ids"].extend(out.new_token_ids)

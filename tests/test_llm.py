@@ -21,7 +21,9 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path) -> Iterator[LLM]:
-    with LLM(model_dir, dtype="float32", kv_cache_memory="1MiB", max_model_len=256) as engine:
+    with LLM(
+        model_dir, dtype="float32", kv_cache_memory="1MiB", max_model_len=256, max_waiting=4
+    ) as engine:
         yield engine
 
 
@@ -81,3 +83,12 @@ def test_bad_arguments_are_clear(llm: LLM, model_dir: Path) -> None:
         LLM(model_dir, max_num_sequences=3)
     with pytest.raises(ValueError, match="not a compute dtype"):
         LLM(model_dir, dtype="int8")
+
+
+def test_more_prompts_than_the_waiting_queue_holds(llm: LLM) -> None:
+    prompts = [[5 + i, 6, 7] for i in range(10)]  # max_waiting is 4 in this fixture
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert all(len(o.token_ids) == 2 for o in outs)
+    assert outs[3].token_ids == llm.generate(prompts[3], greedy)[0].token_ids
