@@ -70,7 +70,7 @@ def make_config(model_dir: Path, **overrides: Any) -> ServerConfig:
         "host": "127.0.0.1",
         "port": 0,
         "max_num_seqs": 4,
-        "max_waiting": 2,
+        "max_waiting": 4,
         "max_num_batched_tokens": 256,
         "kv_cache_memory": KV_BYTES,
         "max_new_tokens": 16,

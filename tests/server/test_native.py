@@ -202,7 +202,7 @@ def test_abort_rpc_ends_the_stream_cancelled(stub: pb_grpc.InferenceStub) -> Non
 
 
 def test_overload_is_resource_exhausted(stub: pb_grpc.InferenceStub) -> None:
-    # max_num_seqs=4 running, max_waiting=2 queued: the seventh request is refused.
+    # max_num_seqs=4 running, max_waiting=4 queued: the ninth request is refused.
     calls = []
     errors: list[grpc.RpcError] = []
 
@@ -215,7 +215,7 @@ def test_overload_is_resource_exhausted(stub: pb_grpc.InferenceStub) -> None:
 
     threads = []
     try:
-        for i in range(6):
+        for i in range(8):
             call = stub.Generate(long_request(f"load-{i}"), timeout=120)
             calls.append(call)
             threads.append(threading.Thread(target=drain, args=(call,), daemon=True))
@@ -232,7 +232,7 @@ def test_overload_is_resource_exhausted(stub: pb_grpc.InferenceStub) -> None:
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "overloaded" in info.value.details()
         # Health and control RPCs still answer under overload.
-        assert stub.GetLoad(pb.GetLoadRequest(), timeout=5).max_waiting == 2
+        assert stub.GetLoad(pb.GetLoadRequest(), timeout=5).max_waiting == 4
     finally:
         for call in calls:
             call.cancel()
