@@ -1,0 +1,1 @@
+"""Loading weights: safetensors on mmap, the tensor-parallel plan, pre-sharded checkpoints, tokenizer."""
