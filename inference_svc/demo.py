@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     say("model", f"{args.size} checkpoint ({size_mb:.0f} MB) at {model_dir}")
 
     with ExitStack() as stack:
-        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="llm-demo-")))
-        if args.keep:
-            stack.pop_all()
+        work = Path(tempfile.mkdtemp(prefix="llm-demo-"))
+        if not args.keep:
+            stack.callback(shutil.rmtree, work, ignore_errors=True)
         volume = work / "node-volume"
         mirror = stack.enter_context(MirrorFixture())
         commit = mirror.publish(REPO_ID, model_dir)
