@@ -80,7 +80,8 @@ def parse_header(prefix: bytes, file_size: int, path: str | Path = "<bytes>") ->
 
     Raises a `CheckpointError` subclass naming the file and tensor for every malformation.
     """
-    if prefix[:4] in (m[:4] for m in _PICKLE_MAGIC) or prefix[:2] in _PICKLE_MAGIC:
+    # A header length can start with the same bytes as a pickle; the JSON's "{" tells them apart.
+    if prefix[8:9] != b"{" and (prefix[:4] in _PICKLE_MAGIC or prefix[:2] in _PICKLE_MAGIC):
         raise PickleCheckpointError(path, "this is a pickle/torch.save file, not safetensors")
     if file_size < 8 or len(prefix) < 8:
         raise TruncatedFileError(
@@ -173,8 +174,10 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        with open(self.path, "rb") as f:
+        with open(self.path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
+            # Reading the header must not read ahead into tensor data nobody asked for.
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             prefix = f.read(8)
             if len(prefix) == 8:
                 (n,) = struct.unpack("<Q", prefix)

@@ -7,6 +7,7 @@ bytes go through pinned staging buffers with copies in flight on a side stream.
 
 from __future__ import annotations
 
+import mmap
 import resource
 import time
 from collections.abc import Callable, Iterable
@@ -18,7 +19,7 @@ from torch import nn
 
 from inference_svc.loader.checkpoint import Checkpoint
 from inference_svc.loader.errors import MissingTensorError, UnexpectedTensorError
-from inference_svc.loader.tp_plan import TensorPlan, TensorPlanError, plan_tensor
+from inference_svc.loader.tp_plan import Split, TensorPlan, TensorPlanError, plan_tensor
 from inference_svc.model.llama import CausalLM
 from inference_svc.model.parallel import Loadable
 
@@ -91,6 +92,8 @@ def load_weights(
     plans = plan_checkpoint(ckpt, model) if plans is None else plans
     # Read in file order: sequential within each shard, so readahead helps on a cold cache.
     plans = sorted(plans, key=lambda p: (str(ckpt.file_of(p.name).path), ckpt.info(p.name).start))
+    for p in plans:
+        _advise(ckpt, p)
     jobs = [(p, ckpt.view(p.name)[p.index]) for p in plans]  # views: nothing read yet
     if device.type == "cuda":
         _install_cuda(model, jobs, device)
@@ -117,6 +120,33 @@ def load_weights(
         seconds=time.perf_counter() - t0,
         peak_rss_bytes=peak_rss_bytes(),
     )
+
+
+def _advise(ckpt: Checkpoint, plan: TensorPlan) -> None:
+    """Tell the kernel which bytes this rank will read, so a cold read fetches just those.
+
+    For a partial slice, read-around on page faults would drag in other ranks' bytes, so it is
+    switched off for the tensor (MADV_RANDOM); a row slice (a piece of every row) is then faulted
+    in page by page, a row-range slice is prefetched as one range (MADV_WILLNEED).
+    """
+    f, info = ckpt.file_of(plan.name), ckpt.info(plan.name)
+    if info.nbytes == 0:
+        return
+    mapping = f.mapping()
+    lo, hi = info.start, info.end
+    if plan.dim is not None and plan.stop - plan.start < plan.shape[plan.dim]:
+        _madvise(mapping, mmap.MADV_RANDOM, lo, hi)
+        if plan.split is Split.ROW:
+            return
+        row_bytes = info.nbytes // plan.shape[0]
+        lo, hi = info.start + plan.start * row_bytes, info.start + plan.stop * row_bytes
+    _madvise(mapping, mmap.MADV_WILLNEED, lo, hi)
+
+
+def _madvise(mapping: mmap.mmap, advice: int, lo: int, hi: int) -> None:
+    if hi > lo:
+        aligned = lo - lo % mmap.PAGESIZE
+        mapping.madvise(advice, aligned, hi - aligned)
 
 
 def _installer(model: CausalLM, plan: TensorPlan) -> Callable[[torch.Tensor], None]:

@@ -244,3 +244,12 @@ def test_fuzzed_headers_only_raise_typed_errors(content: bytes) -> None:
 def test_arbitrary_bytes_only_raise_typed_errors(prefix: bytes) -> None:
     with contextlib.suppress(errors.CheckpointError):
         parse_header(prefix, len(prefix), "raw.safetensors")
+
+
+def test_header_length_that_looks_like_pickle_magic_is_still_safetensors(tmp_path: Path) -> None:
+    entries = {"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}
+    blob = json.dumps(entries).encode()
+    blob += b" " * (0x0280 - len(blob))  # header length 640 = b"\x80\x02\x00..."
+    path = write(tmp_path, raw_file(blob, b"\x07"))
+    assert path.read_bytes()[:2] == b"\x80\x02"
+    assert SafetensorsFile(path).view("a").tolist() == [7]
