@@ -59,6 +59,10 @@ class ServerConfig:
     max_model_len: int | None = None
     block_size: int = 16
     max_new_tokens: int | None = None  # server default; None: generation_config, else 256
+    tls_cert: Path | None = None  # PEM certificate chain; with tls_key, the APIs need TLS
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a cert it signed
+    health_port: int | None = None  # with TLS: a plaintext port serving grpc.health.v1 only
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.sidecar is None):
@@ -69,8 +73,27 @@ class ServerConfig:
             parse_model_ref(self.model_ref)
         if self.grace_s < 0:
             raise ValueError(f"--grace must be >= 0, got {self.grace_s}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.health_port is not None and self.tls_cert is None:
+            raise ValueError("--health-port is for TLS servers; without TLS use --port")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        assert self.tls_cert is not None and self.tls_key is not None
+        ca = self.tls_client_ca.read_bytes() if self.tls_client_ca is not None else None
+        return grpc.ssl_server_credentials(
+            [(self.tls_key.read_bytes(), self.tls_cert.read_bytes())],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
 
     @property
     def resolved_lease_holder(self) -> str:
@@ -152,6 +175,9 @@ class InferenceServer:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
         self.port = 0
+        # With TLS, kubelet probes cannot present certificates: health alone goes plaintext.
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port = 0
         self._sidecar: SidecarClient | None = None
         self._leased: SidecarModel | None = None
         inference_pb2_grpc.add_InferenceServicer_to_server(
@@ -176,9 +202,23 @@ class InferenceServer:
     async def start(self) -> int:
         """Bind and serve health (NOT_SERVING) before the model loads, so probes get answers."""
         await self._set_health(False)
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        if self.cfg.tls:
+            self.port = self.server.add_secure_port(address, self.cfg.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"could not bind {self.cfg.host}:{self.cfg.port}")
+            raise OSError(f"could not bind {address}")
+        if self.cfg.health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(
+                f"{self.cfg.host}:{self.cfg.health_port}"
+            )
+            if self.health_port == 0:
+                raise OSError(f"could not bind the health port {self.cfg.health_port}")
+            await self.health_server.start()
+            log.info("plaintext health on port %d", self.health_port)
         await self.server.start()
         if self.cfg.port_file is not None:
             _write_port_file(self.cfg.port_file, self.port)
@@ -220,9 +260,15 @@ class InferenceServer:
             log.warning("grace period over: aborting %d requests", len(self.state.active))
             if self.state.loaded:
                 self.state.abort_all()
-        await self.server.stop(1.0)
-        await self.close()
+        await self.stop(1.0)
         return clean
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop serving (in-flight RPCs get grace_s), release the engine and the lease."""
+        await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        await self.close()
 
     async def close(self) -> None:
         if self.state.loaded:

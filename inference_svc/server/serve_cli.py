@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--host", default=_env("INFERENCE_SVC_HOST", "[::]"))
     net.add_argument("--port", type=int, default=int(_env("INFERENCE_SVC_PORT", "50051") or 50051))
     net.add_argument("--port-file", type=Path, help="write the bound port here (for --port 0)")
+    net.add_argument("--tls-cert", type=Path, help="PEM certificate chain (enables TLS)")
+    net.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    net.add_argument("--tls-client-ca", type=Path, help="PEM CA: require client certs (mTLS)")
+    net.add_argument(
+        "--health-port", type=int, default=None, help="with TLS: plaintext health-only port"
+    )
     net.add_argument("--grace", type=float, default=30.0, help="drain period on SIGTERM, seconds")
     eng = p.add_argument_group("engine")
     eng.add_argument("--tp", type=int, default=1, help="tensor parallel size")
@@ -76,6 +82,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_new_tokens=args.max_new_tokens,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        health_port=args.health_port,
     )
 
 
@@ -94,8 +104,7 @@ async def serve(cfg: ServerConfig) -> int:
     await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
         log.error("start-up failed: %s", load.exception())
-        await server.server.stop(0)
-        await server.close()
+        await server.stop(0)
         return 1
     await stopped
     if not load.done():

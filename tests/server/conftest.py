@@ -6,6 +6,8 @@ The model has a long context (4096) so "long" requests reliably outlive a cancel
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -14,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_svc.server.app import InferenceServer, ServerConfig
 from inference_svc.testing.models import ModelSpec, cached_model
@@ -131,3 +134,54 @@ def long_request(request_id: str = "", max_new_tokens: int = 4000) -> pb.Generat
         token_ids=pb.TokenIds(ids=[5, 6, 7, 8]),
         stopping=pb.StoppingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
     )
+
+
+def read_port(path: Path, proc: subprocess.Popen[str], timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = path.read_text().strip() if path.exists() else ""
+        if text.isdigit():
+            return int(text)
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            raise AssertionError(f"process exited {proc.returncode}:\n{err[-3000:]}")
+        assert time.monotonic() < deadline, f"no port in {path}"
+        time.sleep(0.05)
+
+
+def wait_serving(channel: grpc.Channel, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            raise AssertionError(f"process exited {proc.returncode}:\n{err[-3000:]}")
+        assert time.monotonic() < deadline, "never SERVING"
+        time.sleep(0.1)
+
+
+def spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts; killed at the end if still running."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in reversed(started):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
