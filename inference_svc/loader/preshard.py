@@ -37,8 +37,9 @@ def is_presharded(model_dir: str | Path) -> bool:
 
 def source_revision(model_dir: Path) -> str:
     """The commit of a hub-cache snapshot directory, else a digest of config + tensor headers."""
-    if _HEX40.fullmatch(model_dir.resolve().name):
-        return model_dir.resolve().name
+    name = model_dir.absolute().name  # not resolve(): the snapshot dir itself names the commit
+    if _HEX40.fullmatch(name):
+        return name
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in Checkpoint(model_dir).files:
         with open(f.path, "rb") as fh:
