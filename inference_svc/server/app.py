@@ -19,9 +19,11 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_svc.engine.async_engine import AsyncEngine
 from inference_svc.engine.engine import Engine, EngineConfig
+from inference_svc.engine.outputs import EngineStats
 from inference_svc.server.native import InferenceServicer
 from inference_svc.server.runtime import LoadedModel, ModelCard, ServingState
 from inference_svc.server.sidecar_client import SidecarClient, SidecarModel, parse_model_ref
+from inference_svc.server.telemetry import Telemetry
 from inference_svc.server.tgis import GenerationServicer
 from inference_svc.server.validation import ModelLimits
 from protos.fmaas import generation_pb2, generation_pb2_grpc
@@ -63,6 +65,7 @@ class ServerConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a cert it signed
     health_port: int | None = None  # with TLS: a plaintext port serving grpc.health.v1 only
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.sidecar is None):
@@ -171,7 +174,9 @@ class InferenceServer:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.state = ServingState()
+        self.telemetry = Telemetry(stats=self._stats)
+        self.state = ServingState(self.telemetry)
+        self.metrics_port = 0
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
         self.port = 0
@@ -189,6 +194,9 @@ class InferenceServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
+
+    def _stats(self) -> EngineStats | None:
+        return self.state.model.engine.stats() if self.state.loaded else None
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -219,6 +227,9 @@ class InferenceServer:
                 raise OSError(f"could not bind the health port {self.cfg.health_port}")
             await self.health_server.start()
             log.info("plaintext health on port %d", self.health_port)
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.telemetry.serve_http(self.cfg.host, self.cfg.metrics_port)
+            log.info("Prometheus metrics on http port %d", self.metrics_port)
         await self.server.start()
         if self.cfg.port_file is not None:
             _write_port_file(self.cfg.port_file, self.port)
@@ -240,7 +251,10 @@ class InferenceServer:
             # A directory inside a Hugging Face cache is named by its commit.
             revision = path.name if _COMMIT_RE.match(path.name) else ""
             args = (path, cfg, str(cfg.model_dir), revision, "")
+        t0 = time.monotonic()
         loaded = await asyncio.to_thread(load_model, *args)
+        self.telemetry.model_id = loaded.card.model_id
+        self.telemetry.load_time_s = time.monotonic() - t0
         self.state.set_model(loaded)
         if not self.state.draining:
             await self._set_health(True)
@@ -268,6 +282,7 @@ class InferenceServer:
         await self.server.stop(grace_s)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        self.telemetry.shutdown()
         await self.close()
 
     async def close(self) -> None:

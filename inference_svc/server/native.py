@@ -19,6 +19,7 @@ from inference_svc.server.validation import ValidationError, validate_generate
 from protos.llm.v1 import inference_pb2 as pb
 from protos.llm.v1 import inference_pb2_grpc as pb_grpc
 
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 STOP_REASONS = {
     StopReason.LENGTH: pb.STOP_REASON_MAX_TOKENS,
     StopReason.EOS_TOKEN: pb.STOP_REASON_EOS_TOKEN,
@@ -90,7 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ValidationError as e:
             raise StatusError(e.status, str(e)) from None
         accepted = False
-        async for out in self.state.stream(gen, request.request_id):
+        async for out in self.state.stream(gen, request.request_id, SERVICE):
             if not accepted:
                 accepted = True
                 yield pb.GenerateEvent(
@@ -123,6 +124,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 async for event in self._events(request):
                     yield event
         except StatusError as e:
+            self.state.refused(e.code, SERVICE)
             await context.abort(e.code, e.message)
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {e}")

@@ -18,6 +18,7 @@ import grpc
 from inference_svc.engine.async_engine import AsyncEngine, EngineDeadError
 from inference_svc.engine.outputs import RequestOutput
 from inference_svc.engine.scheduler import QueueFullError, RequestTooLongError
+from inference_svc.server.telemetry import Telemetry
 from inference_svc.server.validation import GenerationInput, ModelLimits, PromptTokenizer
 
 
@@ -64,7 +65,8 @@ class LoadedModel:
 class ServingState:
     """Shared by the servicers of one server; lives on the server's event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, telemetry: Telemetry | None = None) -> None:
+        self.telemetry = telemetry
         self._model: LoadedModel | None = None
         self.draining = False
         # request id -> the task serving it, for Abort and for duplicate ids.
@@ -98,8 +100,12 @@ class ServingState:
     def token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def refused(self, code: grpc.StatusCode, api: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.refusal(code.name, api)
+
     async def stream(
-        self, gen: GenerationInput, request_id: str = ""
+        self, gen: GenerationInput, request_id: str = "", api: str = "llm.v1.Inference"
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; the engine request is aborted if the caller stops early."""
         model = self.check_accepting()
@@ -129,9 +135,13 @@ class ServingState:
                 except EngineDeadError as e:
                     raise StatusError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
                 finished = first.finished
+                if finished:
+                    self._record(first, api)
                 yield first
                 async for out in outputs:
                     finished = out.finished
+                    if finished:
+                        self._record(out, api)
                     yield out
         finally:
             # Cancellation (client gone, deadline) lands here: free the KV blocks at once.
@@ -141,6 +151,10 @@ class ServingState:
             if not self.active:
                 self._idle.set()
 
+    def _record(self, out: RequestOutput, api: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.finished(out, api)
+
     def abort(self, request_id: str) -> bool:
         if request_id not in self.active:
             return False
@@ -149,6 +163,8 @@ class ServingState:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait for in-flight requests to end; False if some are still running at the timeout."""
+        if self._idle.is_set():
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except asyncio.TimeoutError:

@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--health-port", type=int, default=None, help="with TLS: plaintext health-only port"
     )
+    net.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     net.add_argument("--grace", type=float, default=30.0, help="drain period on SIGTERM, seconds")
     eng = p.add_argument_group("engine")
     eng.add_argument("--tp", type=int, default=1, help="tensor parallel size")
@@ -86,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         health_port=args.health_port,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -23,6 +23,7 @@ from inference_svc.server.validation import GenerationInput, ValidationError, va
 from protos.fmaas import generation_pb2 as tg
 from protos.fmaas import generation_pb2_grpc as tg_grpc
 
+SERVICE = tg.DESCRIPTOR.services_by_name["GenerationService"].full_name
 STOP_REASONS = {
     StopReason.LENGTH: tg.MAX_TOKENS,
     StopReason.EOS_TOKEN: tg.EOS_TOKEN,
@@ -105,7 +106,7 @@ class GenerationServicer(tg_grpc.GenerationServiceServicer):
         parts = [text] if resp.input_text else []
         if resp.input_tokens:
             msg.input_tokens.extend(self._input_tokens(gen))
-        async for out in self.state.stream(gen):
+        async for out in self.state.stream(gen, api=SERVICE):
             parts.append(out.new_text)
             msg.tokens.extend(self._token_infos(out, resp))
             if out.finished:
@@ -130,6 +131,7 @@ class GenerationServicer(tg_grpc.GenerationServiceServicer):
                 for task in tasks:  # one failed or we were cancelled: stop the others
                     task.cancel()
         except StatusError as e:
+            self.state.refused(e.code, SERVICE)
             await context.abort(e.code, e.message)
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {e}")
@@ -145,7 +147,7 @@ class GenerationServicer(tg_grpc.GenerationServiceServicer):
         if resp.input_tokens:
             first.input_tokens.extend(self._input_tokens(gen))
         yield first
-        async for out in self.state.stream(gen):
+        async for out in self.state.stream(gen, api=SERVICE):
             msg = tg.GenerationResponse(
                 generated_token_count=out.usage.completion_tokens,
                 text=out.new_text,
@@ -165,6 +167,7 @@ class GenerationServicer(tg_grpc.GenerationServiceServicer):
                 async for msg in self._stream(request):
                     yield msg
         except StatusError as e:
+            self.state.refused(e.code, SERVICE)
             await context.abort(e.code, e.message)
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {e}")
