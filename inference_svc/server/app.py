@@ -127,6 +127,8 @@ def load_model(
         max_waiting=cfg.max_waiting,
         kv_cache_memory=cfg.kv_cache_memory,
     )
+    for report in getattr(executor, "load_reports", ()):
+        log.info("weights %s", report.summary())
     try:
         engine = Engine(executor, tokenizer, engine_cfg, device=cfg.device)
     except BaseException:

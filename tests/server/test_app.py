@@ -66,14 +66,14 @@ def test_reflection_lists_the_services(model_dir: Path) -> None:
 
 
 def test_drain_finishes_in_flight_refuses_new_and_aborts_at_grace(model_dir: Path) -> None:
-    bg = BackgroundServer(make_config(model_dir, grace_s=1.0))
+    bg = BackgroundServer(make_config(model_dir, grace_s=3.0))
     try:
         bg.call(bg.server.start())
         bg.call(bg.server.load())
         with grpc.insecure_channel(bg.address) as ch:
             stub = pb_grpc.InferenceStub(ch)
             short_req = pb.GenerateRequest(
-                text="short", stopping=pb.StoppingParams(max_new_tokens=40, ignore_eos=True)
+                text="short", stopping=pb.StoppingParams(max_new_tokens=20, ignore_eos=True)
             )
             results: dict[str, list[pb.GenerateEvent]] = {}
 
@@ -99,7 +99,7 @@ def test_drain_finishes_in_flight_refuses_new_and_aborts_at_grace(model_dir: Pat
                 t.join(60)
             # The short request finished normally; the long one was aborted at the grace period.
             assert results["short"][-1].finished.stop_reason == pb.STOP_REASON_MAX_TOKENS
-            assert results["short"][-1].finished.usage.completion_tokens == 40
+            assert results["short"][-1].finished.usage.completion_tokens == 20
             assert results["long"][-1].finished.stop_reason == pb.STOP_REASON_CANCELLED
             assert drained.result(30) is False
         bg.stopped = True
