@@ -1,0 +1,243 @@
+"""Triton paged attention: one kernel for prefill-with-prefix and decode (a query of length 1).
+
+Oracle: `kernels.paged_attention_ref.paged_attention`. On CPU this runs only under Triton's
+interpreter, which `TRITON_INTERPRET=1` selects when set before this module is imported.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from inference_svc.model.attention import AttentionMetadata
+
+# Decided when the kernel below is decorated: the interpreter runs on CPU tensors, compiled on CUDA.
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kv,  # cache strides: K/V plane, block, slot within the block, kv head
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,  # block table strides: sequence, column
+    stride_btc,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16 for tl.dot)
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # new tokens per program; rows = BLOCK_Q * GROUP_PAD
+    BLOCK_N: tl.constexpr,  # keys per inner step (independent of BLOCK_SIZE)
+    FP32_DOT: tl.constexpr,  # dots in float32 with IEEE precision (fp32 inputs, interpreter)
+):
+    # One program: one sequence, BLOCK_Q of its new tokens, all query heads of one kv head.
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= n_new:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+
+    # Rows pack (token, head in group) so GQA heads share each K/V load.
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_tile * BLOCK_Q + rows // GROUP_PAD  # index among this sequence's new tokens
+    head = kvh * GROUP + rows % GROUP_PAD
+    row_ok = (tok < n_new) & (rows % GROUP_PAD < GROUP)
+    q_pos = ctx_len - n_new + tok  # absolute position: the last key this row may see
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    tok64 = (q_start + tok).to(tl.int64)
+    q_offs = tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + q_offs, mask=io_mask, other=0.0)  # (M, D_PAD)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    # Keys past the tile's last token are masked for every row, so stop there.
+    kv_end = ctx_len - n_new + tl.minimum(n_new, (q_tile + 1) * BLOCK_Q)
+    # A finite floor keeps fully masked rows (padding) free of inf - inf = nan.
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < kv_end
+        block = tl.load(bt_row + (kpos // BLOCK_SIZE) * stride_btc, mask=k_ok, other=0).to(tl.int64)
+        kv_offs = block * stride_kb + (kpos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_ptr + stride_kv + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (M, BLOCK_N)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        visible = kpos[None, :] <= q_pos[:, None]  # implies kpos < kv_end
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_DOT:  # noqa: SIM108 (a constexpr branch reads plainer than a ternary here)
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Raise ValueError for anything the kernel would read out of bounds or misinterpret."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (T, H, D), got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must be (2, num_blocks, block_size, num_kv_heads, head_dim), "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    _, h, d = q.shape
+    _, _, block_size, kvh, kd = kv_cache.shape
+    if kd != d:
+        raise ValueError(f"q head_dim {d} != kv_cache head_dim {kd}")
+    if kvh == 0 or h % kvh != 0:
+        raise ValueError(f"{h} query heads are not a multiple of {kvh} kv heads")
+    if block_size != meta.block_size:
+        raise ValueError(f"kv_cache block_size {block_size} != meta.block_size {meta.block_size}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype {q.dtype} not supported; use one of {_DTYPES}")
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} != q dtype {q.dtype}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous last (head_dim) dimension")
+    b = meta.seq_lens.shape[0]
+    shapes = {
+        "query_start_loc": (meta.query_start_loc, (b + 1,)),
+        "seq_lens": (meta.seq_lens, (b,)),
+    }
+    for name, (t, shape) in shapes.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"meta.{name} has shape {tuple(t.shape)}, expected {shape}")
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != b:
+        raise ValueError(
+            f"meta.block_tables has shape {tuple(meta.block_tables.shape)}, expected ({b}, W)"
+        )
+    for name, t in (
+        ("query_start_loc", meta.query_start_loc),
+        ("seq_lens", meta.seq_lens),
+        ("block_tables", meta.block_tables),
+    ):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"meta.{name} must be int32 or int64, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"meta.{name} is on {t.device}, q on {q.device}")
+    if kv_cache.device != q.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device}, q on {q.device}")
+    if (q.device.type == "cpu") != INTERPRETED:
+        raise ValueError(
+            f"tensors on {q.device.type} but the kernel was built "
+            f"{'for the interpreter' if INTERPRETED else 'compiled'}: CUDA tensors need the "
+            "compiled kernel, CPU tensors need TRITON_INTERPRET=1 set before import "
+            "(or use kernels.paged_attention_ref)"
+        )
+    # The python copies are cached on meta (one host sync per step, shared by all layers).
+    starts, lens = meta.query_start_loc_list, meta.seq_lens_list
+    width = meta.block_tables.shape[1]
+    if starts[0] != 0 or starts[-1] > q.shape[0]:
+        raise ValueError(f"meta.query_start_loc must run from 0 to at most {q.shape[0]}: {starts}")
+    for i, ctx in enumerate(lens):
+        n_new = starts[i + 1] - starts[i]
+        if n_new < 0 or n_new > ctx:
+            raise ValueError(f"sequence {i}: {n_new} new tokens with context length {ctx}")
+        if -(-ctx // block_size) > width:
+            raise ValueError(
+                f"sequence {i}: context {ctx} needs {-(-ctx // block_size)} blocks, "
+                f"block_tables has {width}"
+            )
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached context (Triton).
+
+    Same contract as the reference: q (T, H, D), kv_cache (2, num_blocks, block_size, KVH, D)
+    already holding this step's K/V; returns (T, H, D) in q's dtype, accumulation in float32.
+    Rows of q that belong to no sequence (past query_start_loc[-1]) are left unwritten.
+    """
+    _check_inputs(q, kv_cache, meta)
+    t, h, d = q.shape
+    _, _, block_size, kvh, _ = kv_cache.shape
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    starts = meta.query_start_loc_list
+    max_q = max((b - a for a, b in itertools.pairwise(starts)), default=0)
+    if t == 0 or max_q == 0:
+        return out
+    group = h // kvh
+    group_pad = _next_pow2(group)
+    # tl.dot wants at least 16 rows; prefill tiles aim for 64 rows.
+    block_q = max(16 // group_pad, min(_next_pow2(max_q), max(1, 64 // group_pad)), 1)
+    # Under the interpreter small key steps cost little and exercise the online softmax more.
+    block_n = 16 if INTERPRETED else (32 if d > 128 else 64)
+    grid = (meta.num_seqs, triton.cdiv(max_q, block_q), kvh)
+    _paged_attention_kernel[grid](
+        out,
+        q,
+        kv_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        meta.block_tables.stride(0),
+        meta.block_tables.stride(1),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=d,
+        D_PAD=max(16, _next_pow2(d)),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        FP32_DOT=INTERPRETED or q.dtype == torch.float32,
+    )
+    return out
