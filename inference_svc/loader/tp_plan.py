@@ -41,7 +41,9 @@ class TensorPlan:
 
     @property
     def dim(self) -> int | None:
-        return {Split.COLUMN: 0, Split.VOCAB: 0, Split.ROW: 1}.get(self.split)
+        if self.split is Split.REPLICATE:
+            return None
+        return 1 if self.split is Split.ROW else 0
 
     @property
     def index(self) -> tuple[slice, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import resource
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,9 +19,10 @@ from torch import nn
 
 from inference_svc.loader.checkpoint import Checkpoint
 from inference_svc.loader.errors import MissingTensorError, UnexpectedTensorError
+from inference_svc.loader.safetensors_mmap import SafetensorsFile
 from inference_svc.loader.tp_plan import Split, TensorPlan, TensorPlanError, plan_tensor
 from inference_svc.model.llama import CausalLM
-from inference_svc.model.parallel import Loadable
+from inference_svc.model.parallel import Loadable, usable_in_place
 
 COPY_THREADS = 4
 
@@ -92,22 +93,24 @@ def load_weights(
     plans = plan_checkpoint(ckpt, model) if plans is None else plans
     # Read in file order: sequential within each shard, so readahead helps on a cold cache.
     plans = sorted(plans, key=lambda p: (str(ckpt.file_of(p.name).path), ckpt.info(p.name).start))
-    for p in plans:
-        _advise(ckpt, p)
+    _advise(ckpt, plans)
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
     jobs = [(p, ckpt.view(p.name)[p.index]) for p in plans]  # views: nothing read yet
+    installs = [(_installer(modules, params, p), part) for p, part in jobs]
     if device.type == "cuda":
-        _install_cuda(model, jobs, device)
+        _install_cuda(installs, device)
     else:
-        _install_cpu(model, jobs, threads)
+        _install_cpu(installs, [params[p.param] for p in plans], threads)
     if model.config.tie_word_embeddings:
         model.tie_weights()
+    installed = dict(model.named_parameters())
     bytes_read = sum(part.numel() * part.element_size() for _, part in jobs)
     in_place = sum(
         part.numel() * part.element_size()
         for p, part in jobs
-        if part.numel() and model.get_parameter(p.param).data_ptr() == part.data_ptr()
+        if part.numel() and installed[p.param].data_ptr() == part.data_ptr()
     )
-    left = [n for n, prm in model.named_parameters() if prm.is_meta]
+    left = [n for n, prm in installed.items() if prm.is_meta]
     if left:
         raise MissingTensorError(ckpt.model_dir, f"weights never installed: {left[:3]}")
     return LoadReport(
@@ -122,38 +125,50 @@ def load_weights(
     )
 
 
-def _advise(ckpt: Checkpoint, plan: TensorPlan) -> None:
+def _advise(ckpt: Checkpoint, plans: list[TensorPlan]) -> None:
     """Tell the kernel which bytes this rank will read, so a cold read fetches just those.
 
     For a partial slice, read-around on page faults would drag in other ranks' bytes, so it is
     switched off for the tensor (MADV_RANDOM); a row slice (a piece of every row) is then faulted
-    in page by page, a row-range slice is prefetched as one range (MADV_WILLNEED).
+    in page by page. Row-range slices and whole tensors are prefetched (MADV_WILLNEED), adjacent
+    ranges merged: at TP=1 that is one call per file.
     """
-    f, info = ckpt.file_of(plan.name), ckpt.info(plan.name)
-    if info.nbytes == 0:
-        return
-    mapping = f.mapping()
-    lo, hi = info.start, info.end
-    if plan.dim is not None and plan.stop - plan.start < plan.shape[plan.dim]:
-        _madvise(mapping, mmap.MADV_RANDOM, lo, hi)
-        if plan.split is Split.ROW:
-            return
-        row_bytes = info.nbytes // plan.shape[0]
-        lo, hi = info.start + plan.start * row_bytes, info.start + plan.stop * row_bytes
-    _madvise(mapping, mmap.MADV_WILLNEED, lo, hi)
+    wanted: list[tuple[SafetensorsFile, int, int]] = []
+    for plan in plans:
+        f, info = ckpt.file_of(plan.name), ckpt.info(plan.name)
+        if info.nbytes == 0:
+            continue
+        lo, hi = info.start, info.end
+        if plan.dim is not None and plan.stop - plan.start < plan.shape[plan.dim]:
+            _madvise(f, mmap.MADV_RANDOM, lo, hi)
+            if plan.split is Split.ROW:
+                continue
+            row_bytes = info.nbytes // plan.shape[0]
+            lo, hi = info.start + plan.start * row_bytes, info.start + plan.stop * row_bytes
+        if wanted and wanted[-1][0] is f and lo <= wanted[-1][2] + mmap.PAGESIZE:
+            wanted[-1] = (f, wanted[-1][1], max(hi, wanted[-1][2]))
+        else:
+            wanted.append((f, lo, hi))
+    for f, lo, hi in wanted:
+        _madvise(f, mmap.MADV_WILLNEED, lo, hi)
 
 
-def _madvise(mapping: mmap.mmap, advice: int, lo: int, hi: int) -> None:
+def _madvise(f: SafetensorsFile, advice: int, lo: int, hi: int) -> None:
     if hi > lo:
         aligned = lo - lo % mmap.PAGESIZE
-        mapping.madvise(advice, aligned, hi - aligned)
+        f.mapping().madvise(advice, aligned, hi - aligned)
 
 
-def _installer(model: CausalLM, plan: TensorPlan) -> Callable[[torch.Tensor], None]:
-    owner = model.get_submodule(plan.module)
+Install = Callable[[torch.Tensor], None]
+
+
+def _installer(
+    modules: dict[str, nn.Module], params: dict[str, nn.Parameter], plan: TensorPlan
+) -> Install:
+    owner = modules[plan.module]
     if not isinstance(owner, Loadable):
         raise TypeError(f"{plan.module} has no weight_loader")
-    param = model.get_parameter(plan.param)
+    param = params[plan.param]
 
     def install(loaded: torch.Tensor) -> None:
         owner.weight_loader(param, loaded, plan.shard_id)
@@ -162,29 +177,36 @@ def _installer(model: CausalLM, plan: TensorPlan) -> Callable[[torch.Tensor], No
 
 
 def _install_cpu(
-    model: CausalLM, jobs: Iterable[tuple[TensorPlan, torch.Tensor]], threads: int
+    installs: list[tuple[Install, torch.Tensor]], params: list[nn.Parameter], threads: int
 ) -> None:
+    """Tensors used in place are installed at once; the copies run several at a time."""
+    copies = []
+    for (install, part), param in zip(installs, params, strict=True):
+        if usable_in_place(param, part):
+            install(part)
+        else:
+            copies.append((install, part))
+    if len(copies) <= 1 or threads <= 1:
+        for install, part in copies:
+            install(part)
+        return
     # torch copies release the GIL: several tensors are copied at once.
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        futures = [pool.submit(_installer(model, plan), part) for plan, part in jobs]
-        for f in futures:
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for f in [pool.submit(install, part) for install, part in copies]:
             f.result()
 
 
 def _install_cuda(
-    model: CausalLM,
-    jobs: list[tuple[TensorPlan, torch.Tensor]],
-    device: torch.device,
-    in_flight: int = 4,
+    installs: list[tuple[Install, torch.Tensor]], device: torch.device, in_flight: int = 4
 ) -> None:
     """mmap slice -> pinned buffer (CPU copy) -> GPU (async on a side stream), `in_flight` deep."""
-    if not jobs:
+    if not installs:
         return
-    largest = max(part.numel() * part.element_size() for _, part in jobs)
+    largest = max(part.numel() * part.element_size() for _, part in installs)
     buffers = [torch.empty(largest, dtype=torch.uint8).pin_memory() for _ in range(in_flight)]
     events: list[torch.cuda.Event | None] = [None] * in_flight
     stream = torch.cuda.Stream(device=device)
-    for i, (plan, part) in enumerate(jobs):
+    for i, (install, part) in enumerate(installs):
         slot = i % in_flight
         ev = events[slot]
         if ev is not None:
@@ -195,7 +217,7 @@ def _install_cuda(
         with torch.cuda.stream(stream):
             on_gpu = torch.empty(part.shape, dtype=part.dtype, device=device)
             on_gpu.copy_(staged, non_blocking=True)
-            _installer(model, plan)(on_gpu)  # casts/pads on the same stream, if needed
+            install(on_gpu)  # casts/pads on the same stream, if needed
             ev = torch.cuda.Event()
             ev.record(stream)
             events[slot] = ev

@@ -56,6 +56,11 @@ def _meta_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=META), requires_grad=False)
 
 
+def usable_in_place(param: nn.Parameter, loaded: torch.Tensor) -> bool:
+    """Whether `loaded` can become the parameter as is (no cast, no padding, dense rows)."""
+    return loaded.shape == param.shape and loaded.dtype == param.dtype and loaded.is_contiguous()
+
+
 def materialize(param: nn.Parameter, loaded: torch.Tensor) -> nn.Parameter:
     """The parameter to install for `loaded`: itself when usable in place, else one copy of it.
 
@@ -65,7 +70,7 @@ def materialize(param: nn.Parameter, loaded: torch.Tensor) -> nn.Parameter:
         raise ValueError(f"loaded shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
     if loaded.shape[0] > param.shape[0]:
         raise ValueError(f"loaded {loaded.shape[0]} rows into a parameter of {param.shape[0]}")
-    if loaded.shape == param.shape and loaded.dtype == param.dtype and loaded.is_contiguous():
+    if usable_in_place(param, loaded):
         return nn.Parameter(loaded, requires_grad=False)
     out = torch.empty(param.shape, dtype=param.dtype, device=loaded.device)
     out[: loaded.shape[0]].copy_(loaded)
