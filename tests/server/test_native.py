@@ -170,7 +170,10 @@ def test_client_cancel_aborts_and_frees_blocks(stub: pb_grpc.InferenceStub) -> N
     first = next(call)
     assert first.HasField("accepted")
     assert next(call).HasField("token")
-    assert stub.GetLoad(pb.GetLoadRequest(), timeout=5).kv_usage > 0
+    # Load is a snapshot taken after each engine step: wait for one that shows the request.
+    wait_until(
+        lambda: stub.GetLoad(pb.GetLoadRequest(), timeout=5).kv_usage > 0, "KV blocks in use"
+    )
     call.cancel()
     load = wait_idle(stub)
     assert (load.running, load.waiting, load.kv_usage) == (0, 0, 0.0)
