@@ -146,8 +146,13 @@ class GenerationServicer(tg_grpc.GenerationServiceServicer):
             first.text = text
         if resp.input_tokens:
             first.input_tokens.extend(self._input_tokens(gen))
-        yield first
+        pending: tg.GenerationResponse | None = first
         async for out in self.state.stream(gen, api=SERVICE):
+            if pending is not None:
+                # Sent once the engine has admitted the request: an overload refusal then
+                # arrives as a clean error status, before any message.
+                yield pending
+                pending = None
             msg = tg.GenerationResponse(
                 generated_token_count=out.usage.completion_tokens,
                 text=out.new_text,

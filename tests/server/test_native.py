@@ -14,6 +14,8 @@ import pytest
 from inference_svc.engine.sampling_params import SamplingParams
 from inference_svc.llm import LLM
 from inference_svc.loader.tokenizer import load_tokenizer
+from protos.fmaas import generation_pb2 as tg
+from protos.fmaas import generation_pb2_grpc as tg_grpc
 from protos.llm.v1 import inference_pb2 as pb
 from protos.llm.v1 import inference_pb2_grpc as pb_grpc
 
@@ -204,7 +206,7 @@ def test_abort_rpc_ends_the_stream_cancelled(stub: pb_grpc.InferenceStub) -> Non
     wait_idle(stub)
 
 
-def test_overload_is_resource_exhausted(stub: pb_grpc.InferenceStub) -> None:
+def test_overload_is_resource_exhausted(stub: pb_grpc.InferenceStub, channel: grpc.Channel) -> None:
     # max_num_seqs=4 running, max_waiting=4 queued: the ninth request is refused.
     calls = []
     errors: list[grpc.RpcError] = []
@@ -234,6 +236,13 @@ def test_overload_is_resource_exhausted(stub: pb_grpc.InferenceStub) -> None:
             list(stub.Generate(long_request("one-too-many"), timeout=30))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "overloaded" in info.value.details()
+        # The TGIS stream is refused the same way, before any message is sent.
+        tgis = tg_grpc.GenerationServiceStub(channel)
+        received: list[tg.GenerationResponse] = []
+        tg_req = tg.SingleGenerationRequest(request=tg.GenerationRequest(text="hi"))
+        with pytest.raises(grpc.RpcError) as info:
+            received.extend(tgis.GenerateStream(tg_req, timeout=30))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and received == []
         # Health and control RPCs still answer under overload.
         assert stub.GetLoad(pb.GetLoadRequest(), timeout=5).max_waiting == 4
     finally:
