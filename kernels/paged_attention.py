@@ -189,6 +189,76 @@ def _check_inputs(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
             )
 
 
+def kernel_constexprs(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_query_len: int,
+    dtype: torch.dtype,
+    interpreted: bool = INTERPRETED,
+) -> dict[str, int | bool]:
+    """Compile-time parameters for one step's shapes (public: tests compile exactly these)."""
+    group = num_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    # tl.dot wants at least 16 rows; prefill tiles aim for 64 rows (token x head-in-group).
+    block_q = max(16 // group_pad, min(_next_pow2(max_query_len), max(1, 64 // group_pad)), 1)
+    if interpreted:
+        block_n = 16  # small key steps cost little here and exercise the online softmax more
+    elif head_dim > 128 or (dtype == torch.float32 and head_dim > 64):
+        block_n = 32  # keeps K/V tiles within shared memory on smaller GPUs
+    else:
+        block_n = 64
+    return {
+        "BLOCK_SIZE": block_size,
+        "HEAD_DIM": head_dim,
+        "D_PAD": max(16, _next_pow2(head_dim)),
+        "GROUP": group,
+        "GROUP_PAD": group_pad,
+        "BLOCK_Q": block_q,
+        "BLOCK_N": block_n,
+        "FP32_DOT": interpreted or dtype == torch.float32,
+    }
+
+
+def compile_for_target(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_query_len: int,
+    arch: int = 90,
+) -> bytes:
+    """Compile the kernel as the wrapper would launch it, for CUDA compute capability `arch`.
+
+    Needs no GPU (the Triton wheel ships ptxas), so CPU CI can catch what only the compiler
+    rejects. Run it in a process where TRITON_INTERPRET is unset. Returns the cubin.
+    """
+    if INTERPRETED:
+        raise RuntimeError("compile_for_target needs TRITON_INTERPRET unset at import")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = kernel_constexprs(
+        num_heads, num_kv_heads, head_dim, block_size, max_query_len, dtype, interpreted=False
+    )
+    elem = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    signature: dict[str, str] = {}
+    for name in _paged_attention_kernel.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in ("out_ptr", "q_ptr", "kv_ptr"):
+            signature[name] = f"*{elem}"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i64"
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+    source = ASTSource(_paged_attention_kernel, signature, consts)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    return bytes(compiled.asm["cubin"])
+
+
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -206,13 +276,8 @@ def paged_attention(
     max_q = max((b - a for a, b in itertools.pairwise(starts)), default=0)
     if t == 0 or max_q == 0:
         return out
-    group = h // kvh
-    group_pad = _next_pow2(group)
-    # tl.dot wants at least 16 rows; prefill tiles aim for 64 rows.
-    block_q = max(16 // group_pad, min(_next_pow2(max_q), max(1, 64 // group_pad)), 1)
-    # Under the interpreter small key steps cost little and exercise the online softmax more.
-    block_n = 16 if INTERPRETED else (32 if d > 128 else 64)
-    grid = (meta.num_seqs, triton.cdiv(max_q, block_q), kvh)
+    consts = kernel_constexprs(h, kvh, d, block_size, max_q, q.dtype)
+    grid = (meta.num_seqs, triton.cdiv(max_q, int(consts["BLOCK_Q"])), kvh)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -231,13 +296,6 @@ def paged_attention(
         kv_cache.stride(3),
         meta.block_tables.stride(0),
         meta.block_tables.stride(1),
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=d,
-        D_PAD=max(16, _next_pow2(d)),
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        FP32_DOT=INTERPRETED or q.dtype == torch.float32,
+        **consts,
     )
     return out
