@@ -81,6 +81,13 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's K/V (T, KVH, D) into the cache, then attend q (T, H, D) over each context."""
+    """Write this step's K/V (T, KVH, D) into the cache, then attend q (T, H, D) over each context.
+
+    On CUDA the Triton kernel runs; on CPU the PyTorch reference (its oracle).
+    """
     write_kv(kv_cache, k, v, meta.slot_mapping)
+    if q.is_cuda:
+        from kernels.paged_attention import paged_attention as triton_paged_attention
+
+        return triton_paged_attention(q, kv_cache, meta, scale)
     return paged_attention(q, kv_cache, meta, scale)

@@ -61,6 +61,8 @@ class Executor:
     ):
         self.config = rank_model.config
         self.tp_size = tp_size
+        self.dtype = rank_model.dtype  # what the weights and KV cache hold at run time
+        self.device = rank_model.device
         self.load_reports = load_reports  # one per rank, rank order
         self._rank = rank_model
         self._workers = workers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ from inference_svc.model.config import ModelConfig
 from inference_svc.model.llama import CausalLM
 from inference_svc.model.parallel import TPGroup
 from inference_svc.model.profile import StoragePeakTracker
+
+log = logging.getLogger(__name__)
 
 
 class RankModel:
@@ -36,6 +39,7 @@ class RankModel:
             self.load_report: LoadReport = load_weights(self.model, ckpt, device, plans=plans)
         else:
             self.load_report = load_weights(self.model, Checkpoint(model_dir), device)
+        log.info("loaded weights: %s", self.load_report.summary())
         self.kv_caches: list[torch.Tensor] = []
 
     def weight_bytes(self) -> int:
