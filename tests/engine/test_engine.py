@@ -226,3 +226,49 @@ def test_pool_sized_from_budget_minus_weights_activations_overhead(executor: Any
             None,
             EngineConfig(**{**config.__dict__, "memory_budget": budget - 42 * block_bytes}),
         )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"family": "qwen3"},  # q/k norms
+        {"family": "mistral", "num_key_value_heads": 1},  # multi-query
+        {"family": "qwen2", "tie_word_embeddings": True},  # q/k/v biases, tied head
+    ],
+    ids=["qwen3", "mistral-mqa", "qwen2-tied"],
+)
+def test_other_families_match_transformers(spec: dict[str, Any], random_prompts: Prompts) -> None:
+    import torch
+
+    from inference_svc.model.executor import create_executor
+    from inference_svc.testing.models import ModelSpec, cached_model, load_reference
+
+    model_dir = cached_model(ModelSpec(size="tiny", dtype="float32", **spec))
+    ref = load_reference(model_dir, torch.float32)
+    executor = create_executor(model_dir, dtype=torch.float32)
+    try:
+        # 30 blocks for 8 prompts of up to 77 tokens: chunked, preempted and prefix-cached.
+        engine = make_engine(executor, num_blocks=30, max_model_len=80, max_num_seqs=8)
+        prompts = random_prompts(8, seed=9)
+        prompts[1] = prompts[0][:40] + prompts[1][:5]
+        got = run_all(engine, prompts)
+        eos = ref.generation_config.eos_token_id
+        for i, prompt in enumerate(prompts):
+            with torch.inference_mode():
+                out = ref.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=MAX_NEW,
+                    do_sample=False,
+                    top_k=None,
+                    top_p=None,
+                    temperature=None,
+                )[0, len(prompt) :].tolist()
+            if eos in out:
+                out = out[: out.index(eos) + 1]
+            assert got[str(i)] == out, f"prompt {i}"
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+        assert_pool_empty(engine)
+    finally:
+        executor.shutdown()
