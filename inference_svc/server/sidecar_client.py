@@ -23,6 +23,9 @@ _REF_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)@
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 # Sidecar answers worth waiting through: it is starting, restarting, or the mirror is away.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# FAILED states that may clear by themselves (the mirror returns, eviction frees space); the
+# others (not found, checksum mismatch, unsafe repository, offline) will not, so fail fast.
+_RETRYABLE_FAILURES = {cache_pb2.MIRROR_UNREACHABLE, cache_pb2.DISK_FULL, cache_pb2.INTERNAL}
 
 
 class SidecarError(RuntimeError):
@@ -76,6 +79,7 @@ class SidecarClient:
         ref = cache_pb2.ModelRef(repo=repo, revision=commit)
         deadline = time.monotonic() + timeout_s
         backoff = 0.2
+        last = "no answer"
         while True:
             try:
                 async for status in self._stub.Ensure(
@@ -94,20 +98,22 @@ class SidecarClient:
                     if status.state == cache_pb2.READY:
                         return check_ready(status, repo, commit)
                     if status.state == cache_pb2.FAILED:
-                        raise SidecarError(
-                            f"{repo}@{commit}: the sidecar failed to provide it "
+                        last = (
+                            f"the sidecar failed to provide it "
                             f"({cache_pb2.ErrorCode.Name(status.error_code)}): "
                             f"{status.error_message}"
                         )
+                        if status.error_code not in _RETRYABLE_FAILURES:
+                            raise SidecarError(f"{repo}@{commit}: {last}")
+                        log.warning("%s@%s: %s; retrying", repo, commit[:12], last)
+                        break
             except grpc.aio.AioRpcError as e:
-                if e.code() not in _RETRYABLE or time.monotonic() >= deadline:
-                    raise SidecarError(
-                        f"sidecar {self.address}: Ensure {repo}@{commit} failed: "
-                        f"{e.code().name} {e.details()}"
-                    ) from None
+                last = f"sidecar {self.address}: {e.code().name} {e.details()}"
+                if e.code() not in _RETRYABLE:
+                    raise SidecarError(f"{repo}@{commit}: Ensure failed: {last}") from None
             if time.monotonic() >= deadline:
-                raise SidecarError(f"{repo}@{commit}: not READY after {timeout_s:.0f}s")
-            await asyncio.sleep(backoff)
+                raise SidecarError(f"{repo}@{commit}: not READY after {timeout_s:g}s; last: {last}")
+            await asyncio.sleep(min(backoff, max(deadline - time.monotonic(), 0.0)))
             backoff = min(backoff * 2, 5.0)
 
     async def lease(self, model: SidecarModel) -> None:
