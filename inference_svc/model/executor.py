@@ -75,6 +75,9 @@ class Executor:
     def _command(self, *values: int) -> None:
         if self._closed:
             raise RuntimeError("executor is shut down")
+        dead = [w for w in self._workers if not w.is_alive()]
+        if dead:  # a collective with a dead rank would wait out the whole timeout
+            raise RuntimeError(f"a TP worker exited (code {dead[0].exitcode}); shut down")
         if self.tp_size > 1:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[: len(values)] = torch.tensor(values, dtype=torch.int64)
@@ -91,6 +94,10 @@ class Executor:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
+        # Checked before anything is broadcast: a step that fails on every rank would leave the
+        # followers out of step with rank 0.
+        check_step(input_ids, positions, meta, logits_indices, self.config.vocab_size,
+                   self._rank.kv_caches)  # fmt: skip
         parts = [
             input_ids,
             positions,
@@ -137,6 +144,51 @@ class Executor:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def check_step(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    logits_indices: torch.Tensor,
+    vocab_size: int,
+    kv_caches: list[torch.Tensor],
+) -> None:
+    """Raise ValueError for a step whose tensors disagree with each other or the cache."""
+    if not kv_caches:
+        raise RuntimeError("allocate_kv_cache before execute")
+    _, num_blocks, block_size, _, _ = kv_caches[0].shape
+    t = int(input_ids.shape[0]) if input_ids.dim() == 1 else -1
+    if t < 0 or positions.shape != (t,) or meta.slot_mapping.shape != (t,):
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and "
+            f"slot_mapping {tuple(meta.slot_mapping.shape)} must all be (T,)"
+        )
+    if meta.block_size != block_size:
+        raise ValueError(f"meta.block_size {meta.block_size} != the cache's {block_size}")
+    starts, lens = meta.query_start_loc_list, meta.seq_lens_list
+    if len(starts) != len(lens) + 1 or starts[0] != 0 or starts[-1] != t:
+        raise ValueError(f"query_start_loc must run from 0 to {t} over {len(lens)} sequences")
+    width = meta.block_tables.shape[1] if meta.block_tables.dim() == 2 else -1
+    if meta.block_tables.shape[0] != len(lens) or width < 0:
+        raise ValueError(f"block_tables {tuple(meta.block_tables.shape)} is not (B, W)")
+    for i, ctx in enumerate(lens):
+        n_new = starts[i + 1] - starts[i]
+        if n_new < 0 or n_new > ctx or -(-ctx // block_size) > width:
+            raise ValueError(f"sequence {i}: {n_new} new tokens, context {ctx}, {width} blocks")
+    if t:
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
+            raise ValueError(f"token ids must lie in [0, {vocab_size})")
+        if int(meta.slot_mapping.max()) >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping points past the {num_blocks * block_size} cache slots")
+    if meta.block_tables.numel() and (
+        int(meta.block_tables.min()) < 0 or int(meta.block_tables.max()) >= num_blocks
+    ):
+        raise ValueError(f"block_tables hold ids outside [0, {num_blocks})")
+    if logits_indices.dim() != 1 or (
+        logits_indices.numel() and (int(logits_indices.min()) < 0 or int(logits_indices.max()) >= t)
+    ):
+        raise ValueError(f"logits_indices must be a 1-D tensor of token indices in [0, {t})")
 
 
 def _comm_device(device: torch.device) -> torch.device:

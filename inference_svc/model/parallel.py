@@ -132,6 +132,16 @@ class MergedColumnParallelLinear(Loadable):
             else None
         )
 
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
+        """Install `loaded` as the part `shard_id` (e.g. "q", "gate") of the weight or bias."""
+        for group in (self.weight, self.bias):
+            if shard_id is not None and group is not None and group.get(shard_id) is param:
+                group._parameters[shard_id] = materialize(param, loaded)
+                return
+        raise KeyError(f"{type(self).__name__} has no part {shard_id!r} holding that parameter")
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(
             F.linear(x, self.weight[k], None if self.bias is None else self.bias[k])

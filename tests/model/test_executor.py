@@ -125,3 +125,40 @@ def test_refuses_tp_sizes_the_heads_cannot_split() -> None:
 
     with pytest.raises(ModelConfigError, match="attention heads"):
         create_executor(cached_model(TP_SPECS["qwen3-tied"]), tensor_parallel_size=3)
+
+
+def test_inconsistent_steps_are_refused_before_any_rank_runs(
+    pair: tuple[Path, Executor, Executor],
+) -> None:
+    _, _, tp2 = pair
+    tp2.allocate_kv_cache(8, 4)
+    meta = AttentionMetadata.for_prefill([3], 4)
+    ids, pos, last = torch.tensor([1, 2, 3]), torch.arange(3), torch.tensor([2])
+    bad = [
+        (torch.tensor([1, 2, 10**6]), pos, meta, last, "token ids"),
+        (ids, torch.arange(4), meta, last, "must all be"),
+        (ids, pos, meta, torch.tensor([3]), "logits_indices"),
+        (ids, pos, AttentionMetadata.for_prefill([3], 2), last, "block_size"),
+    ]
+    short = AttentionMetadata.for_prefill([3], 4)
+    short.seq_lens = torch.tensor([2])  # 3 new tokens in a context of 2
+    bad.append((ids, pos, short, last, "3 new tokens, context 2"))
+    big = AttentionMetadata.for_prefill([3], 4)
+    big.slot_mapping = torch.tensor([0, 1, 99])
+    bad.append((ids, pos, big, last, "slot_mapping points past"))
+    for i, p, m, li, message in bad:
+        with pytest.raises(ValueError, match=message):
+            tp2.execute(i, p, m, li)
+    # The group is still in step: a good step after the refusals works.
+    assert tp2.execute(ids, pos, meta, last).shape == (1, tp2.config.vocab_size)
+
+
+def test_a_dead_worker_is_reported_not_waited_on() -> None:
+    ex = create_executor(cached_model(TP_SPECS["qwen3-tied"]), tensor_parallel_size=2)
+    worker = ex._workers[0]
+    worker.kill()
+    worker.join()
+    with pytest.raises(RuntimeError, match="TP worker exited"):
+        ex.allocate_kv_cache(8, 4)
+    ex.shutdown()
+    assert not worker.is_alive()
