@@ -70,7 +70,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         for token, lp, top in zip(out.new_token_ids, out.logprobs, tops, strict=True):
             # The engine gives no rank; it is known when the top list reaches below the token.
             above = sum(1 for _, alt in top if alt > lp)
-            known = any(t == token for t, _ in top) or (top and above < len(top))
+            known = any(t == token for t, _ in top) or (bool(top) and above < len(top))
             result.append(
                 pb.TokenLogprob(
                     token_id=token,

@@ -11,7 +11,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import grpc
 
@@ -69,8 +69,8 @@ class ServingState:
         self.telemetry = telemetry
         self._model: LoadedModel | None = None
         self.draining = False
-        # request id -> the task serving it, for Abort and for duplicate ids.
-        self.active: dict[str, asyncio.Task[Any] | None] = {}
+        # Ids of requests in flight, for Abort, duplicate ids and draining.
+        self.active: set[str] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -114,7 +114,7 @@ class ServingState:
             raise StatusError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in flight"
             )
-        self.active[rid] = asyncio.current_task()
+        self.active.add(rid)
         self._idle.clear()
         finished = False
         try:
@@ -130,7 +130,7 @@ class ServingState:
                     raise StatusError(
                         grpc.StatusCode.RESOURCE_EXHAUSTED, f"the server is overloaded: {e}"
                     ) from None
-                except RequestTooLongError as e:
+                except (RequestTooLongError, ValueError) as e:  # what validation let through
                     raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                 except EngineDeadError as e:
                     raise StatusError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
@@ -147,7 +147,7 @@ class ServingState:
             # Cancellation (client gone, deadline) lands here: free the KV blocks at once.
             if not finished:
                 model.engine.abort(rid)
-            self.active.pop(rid, None)
+            self.active.discard(rid)
             if not self.active:
                 self._idle.set()
 
