@@ -57,8 +57,14 @@ def _meta_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def usable_in_place(param: nn.Parameter, loaded: torch.Tensor) -> bool:
-    """Whether `loaded` can become the parameter as is (no cast, no padding, dense rows)."""
-    return loaded.shape == param.shape and loaded.dtype == param.dtype and loaded.is_contiguous()
+    """Whether `loaded` can become the parameter as is: no cast, no padding, dense rows, and
+    element-aligned (a safetensors file may place a tensor at any byte offset)."""
+    return (
+        loaded.shape == param.shape
+        and loaded.dtype == param.dtype
+        and loaded.is_contiguous()
+        and loaded.data_ptr() % loaded.element_size() == 0
+    )
 
 
 def materialize(param: nn.Parameter, loaded: torch.Tensor) -> nn.Parameter:

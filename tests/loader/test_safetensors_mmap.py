@@ -253,3 +253,19 @@ def test_header_length_that_looks_like_pickle_magic_is_still_safetensors(tmp_pat
     path = write(tmp_path, raw_file(blob, b"\x07"))
     assert path.read_bytes()[:2] == b"\x80\x02"
     assert SafetensorsFile(path).view("a").tolist() == [7]
+
+
+def test_unaligned_tensor_is_viewed_and_copied_when_installed(tmp_path: Path) -> None:
+    from torch import nn
+
+    from inference_svc.model.parallel import materialize, usable_in_place
+
+    blob = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    blob += b" " * (3 - len(blob) % 4 + 4)  # data starts 3 bytes past a 4-byte boundary
+    path = write(tmp_path, raw_file(blob, torch.arange(4, dtype=torch.float32).numpy().tobytes()))
+    view = SafetensorsFile(path).view("a")
+    assert view.data_ptr() % 4 != 0 and view.tolist() == [0.0, 1.0, 2.0, 3.0]
+    meta = nn.Parameter(torch.empty(4, device="meta"), requires_grad=False)
+    assert not usable_in_place(meta, view)
+    installed = materialize(meta, view)
+    assert installed.data_ptr() % 4 == 0 and installed.tolist() == [0.0, 1.0, 2.0, 3.0]
