@@ -21,9 +21,12 @@ from kernels.paged_attention_ref import paged_attention as reference
 from kernels.paged_attention_ref import write_kv
 
 if not triton_attn.INTERPRETED and not torch.cuda.is_available():
+    # triton.language decorates its own helpers when triton is first imported, so nothing short
+    # of a fresh process can switch to the interpreter now.
     raise RuntimeError(
-        "kernels.paged_attention was imported before TRITON_INTERPRET=1 was set and there is no "
-        "CUDA device: run these tests so that tests/kernels/conftest.py is loaded first"
+        "triton was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1 and there is "
+        "no CUDA device: import kernels.paged_attention only on the CUDA path, or set "
+        "TRITON_INTERPRET=1 in the environment"
     )
 DEVICE = "cpu" if triton_attn.INTERPRETED else "cuda"
 # Absolute = relative tolerance per dtype. One bf16 ulp at |x| in [2, 4) is 2**-6: kernel and
