@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from inference_svc.engine.planner import parse_bytes
 
@@ -21,43 +21,50 @@ if TYPE_CHECKING:
     from inference_svc.server.app import ServerConfig
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name) or default
+ENV_PREFIX = "INFERENCE_SVC_"
+
+
+def _option(group: Any, flag: str, help: str, default: object = None, **kw: Any) -> None:
+    """A flag whose default comes from INFERENCE_SVC_<FLAG> when set (Kubernetes env)."""
+    env = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    # argparse converts a string default with `type`, exactly as if it were typed.
+    group.add_argument(
+        flag, default=os.environ.get(env) or default, help=f"{help} (env {env})", **kw
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_argument_group("weights (one of)")
-    src.add_argument("--model-dir", type=Path, help="a local checkpoint directory")
-    src.add_argument("--sidecar", help="weight-cache sidecar address host:port")
-    src.add_argument("--model", help="with --sidecar: org/name@<40-hex commit>")
-    src.add_argument("--lease-holder", default="", help="lease name (default host/pid)")
-    src.add_argument(
-        "--sidecar-timeout", type=float, default=600.0, help="seconds to wait for READY"
-    )
+    src = p.add_argument_group("weights (one of --model-dir, --sidecar with --model)")
+    _option(src, "--model-dir", "a local checkpoint directory", type=Path)
+    _option(src, "--sidecar", "weight-cache sidecar address host:port")
+    _option(src, "--model", "with --sidecar: org/name@<40-hex commit>")
+    _option(src, "--lease-holder", "lease name on the revision (default host/pid)", "")
+    _option(src, "--sidecar-timeout", "seconds to wait for READY", 600.0, type=float)
     net = p.add_argument_group("network")
-    net.add_argument("--host", default=_env("INFERENCE_SVC_HOST", "[::]"))
-    net.add_argument("--port", type=int, default=int(_env("INFERENCE_SVC_PORT", "50051") or 50051))
-    net.add_argument("--port-file", type=Path, help="write the bound port here (for --port 0)")
-    net.add_argument("--tls-cert", type=Path, help="PEM certificate chain (enables TLS)")
-    net.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
-    net.add_argument("--tls-client-ca", type=Path, help="PEM CA: require client certs (mTLS)")
-    net.add_argument(
-        "--health-port", type=int, default=None, help="with TLS: plaintext health-only port"
-    )
-    net.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
-    net.add_argument("--grace", type=float, default=30.0, help="drain period on SIGTERM, seconds")
+    _option(net, "--host", "address to bind", "[::]")
+    _option(net, "--port", "gRPC port (0: any free one)", 50051, type=int)
+    _option(net, "--port-file", "write the bound port here (for --port 0)", type=Path)
+    _option(net, "--tls-cert", "PEM certificate chain (enables TLS)", type=Path)
+    _option(net, "--tls-key", "PEM private key for --tls-cert", type=Path)
+    _option(net, "--tls-client-ca", "PEM CA bundle: require client certificates (mTLS)", type=Path)
+    _option(net, "--health-port", "with TLS: plaintext port serving health only", type=int)
+    _option(net, "--metrics-port", "Prometheus /metrics HTTP port (default off)", type=int)
+    _option(net, "--grace", "seconds in-flight requests get on SIGTERM", 30.0, type=float)
     eng = p.add_argument_group("engine")
-    eng.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    eng.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: config)")
-    eng.add_argument("--device", default="cpu", help="cpu or cuda")
-    eng.add_argument("--kv-cache-memory", default=None, help="explicit KV pool size, e.g. 512MiB")
-    eng.add_argument("--max-waiting", type=int, default=1024, help="queue limit; beyond: overload")
-    eng.add_argument("--max-num-seqs", type=int, default=64)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    eng.add_argument("--max-model-len", type=int, default=None)
-    eng.add_argument("--block-size", type=int, default=16)
-    eng.add_argument("--max-new-tokens", type=int, default=None, help="default per request")
-    p.add_argument("--log-level", default=_env("INFERENCE_SVC_LOG_LEVEL", "INFO"))
+    _option(eng, "--tp", "tensor parallel size", 1, type=int)
+    _option(eng, "--dtype", "float32, bfloat16 or float16 (default: the checkpoint's)")
+    _option(eng, "--device", "cpu or cuda", "cpu")
+    _option(eng, "--kv-cache-memory", "explicit KV pool size, e.g. 512MiB (default: planned)")
+    _option(
+        eng, "--max-waiting", "queued requests beyond which: RESOURCE_EXHAUSTED", 1024, type=int
+    )
+    _option(eng, "--max-num-seqs", "requests running at once", 64, type=int)
+    _option(eng, "--max-num-batched-tokens", "token budget per step", 2048, type=int)
+    _option(eng, "--max-model-len", "context limit (default: the model's)", type=int)
+    _option(eng, "--block-size", "KV block size in tokens", 16, type=int)
+    _option(eng, "--max-new-tokens", "default per request (default: generation_config or 256)",
+            type=int)  # fmt: skip
+    _option(p, "--log-level", "logging level", "INFO")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -25,8 +25,8 @@ def test_serve_local_dir_then_sigterm_drains_and_exits_zero(
     proc = spawn(
         ["inference_svc.cli", "serve", "--model-dir", str(model_dir), "--host", "127.0.0.1",
          "--port", "0", "--port-file", str(port_file), "--max-num-seqs", "2",
-         "--kv-cache-memory", "8MiB", "--max-waiting", "8", "--grace", "1"],
-        {**os.environ},
+         "--kv-cache-memory", "8MiB", "--grace", "1"],
+        {**os.environ, "INFERENCE_SVC_MAX_WAITING": "8"},  # every flag has an env variable
     )  # fmt: skip
     procs.append(proc)
     with grpc.insecure_channel(f"127.0.0.1:{read_port(port_file, proc)}") as ch:
