@@ -36,6 +36,9 @@ SERVICES = (
     generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
 )
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+# gRPC sets SO_REUSEPORT by default: a second replica on the same fixed port would silently
+# share it instead of failing to start.
+_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ class InferenceServer:
         self.state = ServingState(self.telemetry)
         self.metrics_port = 0
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=_SERVER_OPTIONS)
         self.port = 0
         # With TLS, kubelet probes cannot present certificates: health alone goes plaintext.
         self.health_server: grpc.aio.Server | None = None
@@ -220,7 +223,7 @@ class InferenceServer:
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         if self.cfg.health_port is not None:
-            self.health_server = grpc.aio.server()
+            self.health_server = grpc.aio.server(options=_SERVER_OPTIONS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             self.health_port = self.health_server.add_insecure_port(
                 f"{self.cfg.host}:{self.cfg.health_port}"

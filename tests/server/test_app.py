@@ -116,3 +116,13 @@ def test_config_needs_exactly_one_weight_source(model_dir: Path) -> None:
         ServerConfig(sidecar="127.0.0.1:1")
     with pytest.raises(ValueError, match="40-hex commit"):
         ServerConfig(sidecar="127.0.0.1:1", model_ref="org/name@main")
+
+
+def test_a_taken_port_fails_to_bind(model_dir: Path, server: BackgroundServer) -> None:
+    second = BackgroundServer(make_config(model_dir, port=server.server.port))
+    try:
+        with pytest.raises((OSError, RuntimeError)):
+            second.call(second.server.start())
+    finally:
+        second.stopped = True  # never started
+        second.close()
