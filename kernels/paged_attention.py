@@ -1,11 +1,15 @@
 """Triton paged attention: one kernel for prefill-with-prefix and decode (a query of length 1).
 
+Few programs over long contexts (small decode batches) split the keys across programs and merge
+the partial softmaxes afterwards (flash-decoding).
+
 Oracle: `kernels.paged_attention_ref.paged_attention`. On CPU this runs only under Triton's
 interpreter, which `TRITON_INTERPRET=1` selects when set before this module is imported.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import TYPE_CHECKING
 
@@ -31,11 +35,17 @@ def _paged_attention_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    lse_ptr,  # SPLIT only: (splits, T, H) float32 log2-sum-exp of each partial result
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     stride_qt,
     stride_qh,
     stride_ot,
     stride_oh,
+    stride_os,  # SPLIT only: out is the (splits, T, H, D) float32 partial results
+    stride_ls,
+    stride_lt,
+    num_splits,
+    split_len,  # keys per split, a multiple of BLOCK_N
     stride_kv,  # cache strides: K/V plane, block, slot within the block, kv head
     stride_kb,
     stride_ks,
@@ -50,10 +60,13 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # new tokens per program; rows = BLOCK_Q * GROUP_PAD
     BLOCK_N: tl.constexpr,  # keys per inner step (independent of BLOCK_SIZE)
     FP32_DOT: tl.constexpr,  # dots in float32 with IEEE precision (fp32 inputs, interpreter)
+    SPLIT: tl.constexpr,
 ):
-    # One program: one sequence, BLOCK_Q of its new tokens, all query heads of one kv head.
+    # One program: one sequence, BLOCK_Q of its new tokens, all query heads of one kv head,
+    # one split of the keys.
     seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
+    q_tile = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
     kvh = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -76,14 +89,18 @@ def _paged_attention_kernel(
     if FP32_DOT:
         q = q.to(tl.float32)
 
-    # Keys past the tile's last token are masked for every row, so stop there.
-    kv_end = ctx_len - n_new + tl.minimum(n_new, (q_tile + 1) * BLOCK_Q)
+    # Keys past the tile's last token are masked for every row, so stop there. A split with no
+    # keys still runs: it must record an empty (zero-weight) partial result.
+    kv_lo = split * split_len
+    kv_end = tl.minimum(
+        ctx_len - n_new + tl.minimum(n_new, (q_tile + 1) * BLOCK_Q), kv_lo + split_len
+    )
     # A finite floor keeps fully masked rows (padding) free of inf - inf = nan.
     m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_lo, kv_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < kv_end
         block = tl.load(bt_row + (kpos // BLOCK_SIZE) * stride_btc, mask=k_ok, other=0).to(tl.int64)
@@ -98,7 +115,7 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
-        visible = kpos[None, :] <= q_pos[:, None]  # implies kpos < kv_end
+        visible = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -112,7 +129,11 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_offs = tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    o_offs = split * stride_os + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if SPLIT:
+        # log2 of a guarded l: empty rows would warn (interpreter) before the where drops them.
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * stride_ls + tok64 * stride_lt + head, lse, mask=row_ok)
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -196,6 +217,7 @@ def kernel_constexprs(
     block_size: int,
     max_query_len: int,
     dtype: torch.dtype,
+    num_splits: int = 1,
     interpreted: bool = INTERPRETED,
 ) -> dict[str, int | bool]:
     """Compile-time parameters for one step's shapes (public: tests compile exactly these)."""
@@ -218,7 +240,23 @@ def kernel_constexprs(
         "BLOCK_Q": block_q,
         "BLOCK_N": block_n,
         "FP32_DOT": interpreted or dtype == torch.float32,
+        "SPLIT": num_splits > 1,
     }
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def _auto_splits(programs: int, max_ctx: int, block_n: int, device: torch.device) -> int:
+    """Split the keys only when the step alone cannot fill the GPU and contexts are long."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(16, triton.cdiv(2 * sms, programs), max_ctx // (4 * block_n)))
 
 
 def compile_for_target(
@@ -228,6 +266,7 @@ def compile_for_target(
     head_dim: int,
     block_size: int,
     max_query_len: int,
+    num_splits: int = 1,
     arch: int = 90,
 ) -> bytes:
     """Compile the kernel as the wrapper would launch it, for CUDA compute capability `arch`.
@@ -241,15 +280,24 @@ def compile_for_target(
     from triton.compiler import ASTSource
 
     consts = kernel_constexprs(
-        num_heads, num_kv_heads, head_dim, block_size, max_query_len, dtype, interpreted=False
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        max_query_len,
+        dtype,
+        num_splits=num_splits,
+        interpreted=False,
     )
     elem = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     signature: dict[str, str] = {}
     for name in _paged_attention_kernel.arg_names:
         if name in consts:
             signature[name] = "constexpr"
-        elif name in ("out_ptr", "q_ptr", "kv_ptr"):
+        elif name in ("q_ptr", "kv_ptr") or (name == "out_ptr" and num_splits == 1):
             signature[name] = f"*{elem}"
+        elif name in ("out_ptr", "lse_ptr"):
+            signature[name] = "*fp32"
         elif name.endswith("_ptr"):
             signature[name] = "*i64"
         else:
@@ -260,15 +308,22 @@ def compile_for_target(
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached context (Triton).
 
     Same contract as the reference: q (T, H, D), kv_cache (2, num_blocks, block_size, KVH, D)
     already holding this step's K/V; returns (T, H, D) in q's dtype, accumulation in float32.
-    Rows of q that belong to no sequence (past query_start_loc[-1]) are left unwritten.
+    Rows of q that belong to no sequence (past query_start_loc[-1]) are left unspecified.
+    num_kv_splits: key splits per program (None: chosen from the GPU's size; 1 on CPU).
     """
     _check_inputs(q, kv_cache, meta)
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
     t, h, d = q.shape
     _, _, block_size, kvh, _ = kv_cache.shape
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -277,19 +332,38 @@ def paged_attention(
     if t == 0 or max_q == 0:
         return out
     consts = kernel_constexprs(h, kvh, d, block_size, max_q, q.dtype)
-    grid = (meta.num_seqs, triton.cdiv(max_q, int(consts["BLOCK_Q"])), kvh)
-    _paged_attention_kernel[grid](
-        out,
+    block_n = int(consts["BLOCK_N"])
+    q_tiles = triton.cdiv(max_q, int(consts["BLOCK_Q"]))
+    max_ctx = max(meta.seq_lens_list)
+    splits = num_kv_splits or _auto_splits(
+        meta.num_seqs * q_tiles * kvh, max_ctx, block_n, q.device
+    )
+    split_len = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
+    splits = triton.cdiv(max_ctx, split_len)  # none empty for every sequence
+    if splits > 1:
+        consts = kernel_constexprs(h, kvh, d, block_size, max_q, q.dtype, num_splits=splits)
+        dest = torch.empty((splits, t, h, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((splits, t, h), dtype=torch.float32, device=q.device)
+    else:
+        dest, lse = out.unsqueeze(0), out  # lse is not touched without SPLIT
+    _paged_attention_kernel[(meta.num_seqs, q_tiles * splits, kvh)](
+        dest,
         q,
         kv_cache,
         meta.block_tables,
         meta.query_start_loc,
         meta.seq_lens,
+        lse,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
-        out.stride(0),
-        out.stride(1),
+        dest.stride(1),
+        dest.stride(2),
+        dest.stride(0),
+        lse.stride(0),
+        lse.stride(1),
+        splits,
+        split_len,
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
@@ -298,4 +372,9 @@ def paged_attention(
         meta.block_tables.stride(1),
         **consts,
     )
-    return out
+    if splits == 1:
+        return out
+    # Merge the partial softmaxes: weight each by its share of the total exp-sum (base 2).
+    weight = torch.exp2(lse - lse.amax(0))  # (S, T, H); an empty split weighs 0
+    merged = (weight.unsqueeze(-1) * dest).sum(0) / weight.sum(0).unsqueeze(-1)
+    return merged.to(q.dtype)

@@ -82,10 +82,10 @@ def make_case(
 
 
 def check_against_reference(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, splits: int | None = None
 ) -> None:
     scale = q.shape[-1] ** -0.5
-    out = triton_attn.paged_attention(q, kv_cache, meta, scale)
+    out = triton_attn.paged_attention(q, kv_cache, meta, scale, num_kv_splits=splits)
     expected = reference(q, kv_cache, meta, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     tol = TOLERANCE[q.dtype]
@@ -126,6 +126,19 @@ def test_empty_prefix_prefill_over_several_query_tiles(heads: int, kv_heads: int
 
 def test_long_prefix_with_a_chunk_crossing_tiles() -> None:
     check_against_reference(*make_case([(150, 40), (9, 2)], 4, 2, 32, 16, torch.float32, 11))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_split_across_programs_match_reference(splits: int, dtype: torch.dtype) -> None:
+    # With contexts of 1..40 keys, many (sequence, split) pairs are empty and must weigh nothing.
+    check_against_reference(*make_case(MIXED, 8, 2, 32, 4, dtype, splits), splits=splits)
+
+
+def test_split_keys_in_a_prefill_over_several_tiles() -> None:
+    # Early query tiles see none of the later splits' keys.
+    case = make_case([(70, 70), (150, 40), (5, 1)], 4, 1, 16, 16, torch.float32, 13)
+    check_against_reference(*case, splits=4)
 
 
 def test_sequences_without_new_tokens_and_unowned_rows() -> None:
@@ -193,7 +206,15 @@ def _bad(case: str) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, str]
         return q, kv, replace(meta, block_tables=meta.block_tables[:, :1]), "needs 2 blocks"
     if case == "qsl_past_q":
         return q[:3], kv, meta, "query_start_loc must run from 0 to at most 3"
+    if case == "splits":
+        return q, kv, meta, "num_kv_splits must be at least 1, got 0"
     raise AssertionError(case)
+
+
+def _call(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, case: str) -> torch.Tensor:
+    return triton_attn.paged_attention(
+        q, kv, meta, 1.0, num_kv_splits=0 if case == "splits" else None
+    )
 
 
 @pytest.mark.parametrize(
@@ -212,12 +233,13 @@ def _bad(case: str) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, str]
         "too_many_new",
         "narrow_table",
         "qsl_past_q",
+        "splits",
     ],
 )
 def test_bad_inputs_raise_value_error(case: str) -> None:
     q, kv_cache, meta, message = _bad(case)
     with pytest.raises(ValueError, match=message):
-        triton_attn.paged_attention(q, kv_cache, meta, 1.0)
+        _call(q, kv_cache, meta, case)
 
 
 def test_kernel_compiles_for_hopper_without_a_device() -> None:
@@ -229,6 +251,7 @@ def test_kernel_compiles_for_hopper_without_a_device() -> None:
         "from kernels.paged_attention import compile_for_target\n"
         "assert compile_for_target(torch.bfloat16, 32, 8, 128, 16, 1)\n"  # GQA decode
         "assert compile_for_target(torch.float32, 6, 2, 80, 4, 100)\n"  # odd group and head_dim
+        "assert compile_for_target(torch.float16, 8, 8, 64, 16, 1, num_splits=4)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
@@ -259,7 +282,7 @@ def test_random_batches_sweep(
         seqs = _random_seqs(rng, 100)
         kv_heads = rng.choice([1, 2])
         case = make_case(seqs, kv_heads * group, kv_heads, head_dim, block_size, dtype, trial)
-        check_against_reference(*case)
+        check_against_reference(*case, splits=rng.choice([1, 2, 5]))
 
 
 @pytest.mark.gpu
@@ -273,4 +296,8 @@ def test_compiled_kernel_on_cuda(dtype: torch.dtype) -> None:
     for group, head_dim, block_size in [(1, 64, 16), (4, 128, 16), (8, 128, 32), (2, 80, 8)]:
         seqs = [(1, 1), (700, 1), (513, 513), (1000, 37), *_random_seqs(rng, 2000)]
         case = make_case(seqs, 4 * group, 4, head_dim, block_size, dtype, group, device="cuda")
-        check_against_reference(*case)
+        for splits in (None, 1, 4):  # None: the GPU-size heuristic
+            check_against_reference(*case, splits=splits)
+    # A small decode batch over long contexts, where the heuristic splits the keys.
+    case = make_case([(9000, 1), (3000, 1)], 32, 8, 128, 16, dtype, 0, device="cuda")
+    check_against_reference(*case)
