@@ -9,27 +9,25 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import socket
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from inference_svc.loader.weights import LoadReport
 from inference_svc.model.attention import AttentionMetadata
 from inference_svc.model.config import ModelConfig
 from inference_svc.model.parallel import TPGroup
 from inference_svc.model.rank import RankModel
-
-# Commands rank 0 broadcasts to the followers: header (8,) int64 = [command, args...].
-_SHUTDOWN, _EXECUTE, _ALLOCATE_KV, _PROFILE = 0, 1, 2, 3
-_HEADER = 8
-DIST_TIMEOUT = timedelta(minutes=10)
+from inference_svc.model.tp_workers import (
+    ALLOCATE_KV,
+    PROFILE,
+    SHUTDOWN,
+    join_torchrun,
+    send_command,
+    send_step,
+    spawn,
+)
 
 
 class ModelExecutor(Protocol):
@@ -66,25 +64,25 @@ class Executor:
         self.load_reports = load_reports  # one per rank, rank order
         self._rank = rank_model
         self._workers = workers
-        self._comm = _comm_device(rank_model.device)
         self._closed = False
 
     def weight_bytes_per_rank(self) -> int:
         return self._rank.weight_bytes()
 
-    def _command(self, *values: int) -> None:
+    def _check_alive(self) -> None:
         if self._closed:
             raise RuntimeError("executor is shut down")
         dead = [w for w in self._workers if not w.is_alive()]
         if dead:  # a collective with a dead rank would wait out the whole timeout
             raise RuntimeError(f"a TP worker exited (code {dead[0].exitcode}); shut down")
+
+    def _command(self, *values: int) -> None:
+        self._check_alive()
         if self.tp_size > 1:
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[: len(values)] = torch.tensor(values, dtype=torch.int64)
-            dist.broadcast(header.to(self._comm), src=0)
+            send_command(self._rank.model.tp, self.device, *values)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self._command(_ALLOCATE_KV, num_blocks, block_size)
+        self._command(ALLOCATE_KV, num_blocks, block_size)
         self._rank.allocate_kv_cache(num_blocks, block_size)
 
     def execute(
@@ -98,20 +96,9 @@ class Executor:
         # followers out of step with rank 0.
         check_step(input_ids, positions, meta, logits_indices, self.config.vocab_size,
                    self._rank.kv_caches)  # fmt: skip
-        parts = [
-            input_ids,
-            positions,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables.reshape(-1),
-            meta.slot_mapping,
-            logits_indices,
-        ]
         if self.tp_size > 1:
-            t, b, width = input_ids.shape[0], meta.seq_lens.shape[0], meta.block_tables.shape[1]
-            self._command(_EXECUTE, t, b, width, logits_indices.shape[0], meta.block_size)
-            flat = torch.cat([p.reshape(-1).to(torch.int64).cpu() for p in parts])
-            dist.broadcast(flat.to(self._comm), src=0)
+            self._check_alive()
+            send_step(self._rank.model.tp, self.device, input_ids, positions, meta, logits_indices)
         device = self._rank.device
         logits = self._rank.execute(
             input_ids.to(device), positions.to(device), meta.to(device), logits_indices.to(device)
@@ -120,7 +107,7 @@ class Executor:
         return logits
 
     def profile_peak_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
-        self._command(_PROFILE, num_tokens, num_seqs)
+        self._command(PROFILE, num_tokens, num_seqs)
         return self._rank.profile_peak_activation_bytes(num_tokens, num_seqs)
 
     def shutdown(self) -> None:
@@ -128,15 +115,13 @@ class Executor:
             return
         if self.tp_size > 1:
             with contextlib.suppress(RuntimeError):
-                self._command(_SHUTDOWN)
+                self._command(SHUTDOWN)
         self._closed = True
         for w in self._workers:
             w.join(timeout=30)
             if w.is_alive():
                 w.kill()
                 w.join()
-        if self.tp_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
         self._rank.kv_caches = []
 
     def __enter__(self) -> Executor:
@@ -191,16 +176,6 @@ def check_step(
         raise ValueError(f"logits_indices must be a 1-D tensor of token indices in [0, {t})")
 
 
-def _comm_device(device: torch.device) -> torch.device:
-    return device if device.type == "cuda" else torch.device("cpu")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _resolve(
     config: ModelConfig, dtype: torch.dtype | None, device: str
 ) -> tuple[torch.dtype, torch.device]:
@@ -231,149 +206,7 @@ def create_executor(
         rank_model = RankModel(model_dir, config, TPGroup(), dtype, dev)
         return Executor(rank_model, 1, [], [rank_model.load_report])
     if os.environ.get("WORLD_SIZE") == str(tp_size) and "RANK" in os.environ:
-        return _join_torchrun(model_dir, config, tp_size, dtype, dev)
-    if dist.is_initialized():
-        raise RuntimeError("a torch.distributed group already exists in this process")
-    return _spawn(model_dir, config, tp_size, dtype, dev)
-
-
-def _backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def _spawn(
-    model_dir: Path, config: ModelConfig, tp_size: int, dtype: torch.dtype, device: torch.device
-) -> Executor:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    reports: Any = ctx.Queue()
-    workers = []
-    for rank in range(1, tp_size):
-        dev = torch.device("cuda", rank) if device.type == "cuda" else device
-        p = ctx.Process(
-            target=_worker_main,
-            args=(rank, tp_size, port, str(model_dir), dtype, str(dev), reports),
-            daemon=True,
-        )
-        p.start()
-        workers.append(p)
-    try:
-        # Enter the rendezvous only once every worker is up: one that died while starting
-        # would otherwise leave rank 0 waiting in init_process_group until the timeout.
-        _collect(reports, workers, "started")
-        dist.init_process_group(
-            _backend(device),
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=tp_size,
-            timeout=DIST_TIMEOUT,
-        )
-        rank_model = RankModel(model_dir, config, TPGroup(0, tp_size), dtype, device)
-        by_rank = {0: rank_model.load_report, **_collect(reports, workers, "ready")}
-    except BaseException:
-        for w in workers:
-            w.kill()
-            w.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise
-    return Executor(rank_model, tp_size, workers, [by_rank[r] for r in range(tp_size)])
-
-
-def _collect(reports: Any, workers: list[Any], kind: str) -> dict[int, Any]:
-    """One `kind` message from every worker; a worker's error or death is raised here."""
-    got: dict[int, Any] = {}
-    while len(got) < len(workers):
-        try:
-            msg_kind, rank, payload = reports.get(timeout=0.5)
-        except queue.Empty:
-            dead = [w for w in workers if not w.is_alive()]
-            if dead:
-                raise RuntimeError(
-                    f"a TP worker exited (code {dead[0].exitcode}) before it was {kind}"
-                ) from None
-            continue
-        if msg_kind == "error":
-            raise RuntimeError(f"TP rank {rank} failed:\n{payload}")
-        if msg_kind != kind:
-            raise RuntimeError(f"TP rank {rank} sent {msg_kind!r}, expected {kind!r}")
-        got[rank] = payload
-    return got
-
-
-def _join_torchrun(
-    model_dir: Path, config: ModelConfig, tp_size: int, dtype: torch.dtype, device: torch.device
-) -> Executor:
-    rank = int(os.environ["RANK"])
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    if not dist.is_initialized():
-        dist.init_process_group(_backend(device), timeout=DIST_TIMEOUT)
-    rank_model = RankModel(model_dir, config, TPGroup(rank, tp_size), dtype, device)
-    reports: list[Any] = [None] * tp_size
-    dist.all_gather_object(reports, rank_model.load_report)
-    if rank != 0:
-        _follow(rank_model)
-        dist.destroy_process_group()
-        raise SystemExit(0)
-    return Executor(rank_model, tp_size, [], reports)
-
-
-def _worker_main(
-    rank: int,
-    tp_size: int,
-    port: int,
-    model_dir: str,
-    dtype: torch.dtype,
-    device: str,
-    reports: Any,
-) -> None:
-    """A spawned TP rank: load this rank's weights, report, then follow rank 0's commands."""
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
-    reports.put(("started", rank, None))
-    dist.init_process_group(
-        _backend(dev),
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=tp_size,
-        timeout=DIST_TIMEOUT,
-    )
-    try:
-        config = ModelConfig.from_dir(Path(model_dir))
-        rank_model = RankModel(Path(model_dir), config, TPGroup(rank, tp_size), dtype, dev)
-    except BaseException:
-        reports.put(("error", rank, traceback.format_exc()))
-        raise
-    reports.put(("ready", rank, rank_model.load_report))
-    try:
-        _follow(rank_model)
-    finally:
-        dist.destroy_process_group()
-
-
-def _follow(rank_model: RankModel) -> None:
-    """Serve rank 0's commands until it says shut down."""
-    comm = _comm_device(rank_model.device)
-    device = rank_model.device
-    while True:
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=comm)
-        dist.broadcast(header, src=0)
-        cmd, *args = (int(x) for x in header.cpu().tolist())
-        if cmd == _SHUTDOWN:
-            return
-        if cmd == _ALLOCATE_KV:
-            rank_model.allocate_kv_cache(args[0], args[1])
-        elif cmd == _PROFILE:
-            rank_model.profile_peak_activation_bytes(args[0], args[1])
-        elif cmd == _EXECUTE:
-            t, b, width, n_logits, block_size = args[:5]
-            sizes = [t, t, b + 1, b, b * width, t, n_logits]
-            flat = torch.empty(sum(sizes), dtype=torch.int64, device=comm)
-            dist.broadcast(flat, src=0)
-            ids, pos, qsl, lens, tables, slots, idx = flat.to(device).split(sizes)
-            meta = AttentionMetadata(qsl, lens, tables.view(b, width), slots, block_size)
-            rank_model.execute(ids, pos, meta, idx)
-        else:
-            raise RuntimeError(f"unknown TP command {cmd}")
+        rank_model, reports = join_torchrun(model_dir, config, tp_size, dtype, dev)
+        return Executor(rank_model, tp_size, [], reports)
+    rank_model, workers, reports = spawn(model_dir, config, tp_size, dtype, dev)
+    return Executor(rank_model, tp_size, workers, reports)

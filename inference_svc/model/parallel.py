@@ -9,7 +9,8 @@ anything else is copied once into a fresh buffer.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,14 +22,27 @@ META = torch.device("meta")
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in the tensor-parallel group (the default torch.distributed group)."""
+    """This process's place in its tensor-parallel group.
+
+    `pg` is a c10d process group object (gloo or NCCL) used directly, not the global default
+    group, so one process can hold several executors; None at TP=1.
+    """
 
     rank: int = 0
     size: int = 1
+    pg: Any = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x)
+            self.pg.allreduce([x]).wait()
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x from rank 0, in place on every rank."""
+        if self.size > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.pg.broadcast([x], opts).wait()
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -36,9 +50,14 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.pg.gather([parts], [x], opts).wait()
+            return torch.cat(parts, dim=-1)
+        self.pg.gather([], [x], opts).wait()
+        return None
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 64) -> int:

@@ -41,6 +41,7 @@ class RankModel:
             self.load_report = load_weights(self.model, Checkpoint(model_dir), device)
         log.info("loaded weights: %s", self.load_report.summary())
         self.kv_caches: list[torch.Tensor] = []
+        self.store: object | None = None  # a spawned group's rendezvous store, kept alive
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()
