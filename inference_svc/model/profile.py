@@ -10,6 +10,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -26,14 +27,21 @@ class StoragePeakTracker(TorchDispatchMode):
         self.current -= self._live.pop(key, 0)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
+        kwargs = kwargs or {}
+        # Outputs that alias an input (in-place ops, views of weights) allocate nothing.
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             storage = t.untyped_storage()
             key, n = storage.data_ptr(), storage.nbytes()
-            if n == 0 or key in self._live:
-                continue  # a view of a storage already counted
+            if n == 0 or key in self._live or key in inputs:
+                continue
             self._live[key] = n
             self.current += n
             self.peak = max(self.peak, self.current)
