@@ -22,6 +22,7 @@ from cache_sidecar.errors import (
     Cancelled,
     ChecksumMismatch,
     DiskFull,
+    ErrorCode,
     InvalidCheckpoint,
     MirrorUnreachable,
     OfflineMiss,
@@ -116,7 +117,11 @@ class WeightCache:
                 if last:
                     raise
                 delay = min(30.0, self.cfg.retry_backoff_s * 2 ** (attempt - 1))
-                log.warning("%s: %s; retrying in %.1fs", ref, err.message, delay)
+                progress.update(
+                    error_message=f"{err.message}; retrying in {delay:.1f}s"
+                    f" (attempt {attempt} of {attempts})"
+                )
+                log.warning("%s; retrying in %.1fs", err.message, delay)
                 if cancel.wait(delay):
                     raise Cancelled(f"{ref}: cancelled") from err
                 continue
@@ -127,7 +132,7 @@ class WeightCache:
                 commit=pub.commit,
                 local_path=str(pub.path),
                 manifest_digest=pub.manifest_digest,
-                error_code=0,
+                error_code=ErrorCode.ERROR_CODE_UNSPECIFIED,
                 error_message="",
             )
             return pub
@@ -211,11 +216,16 @@ class WeightCache:
     ) -> Published:
         assert self.source is not None
         repo = ref.repo
+        # A cheap, bounded call first: huggingface_hub retries tree listings on its own for ~30s,
+        # so an unreachable mirror or an unknown commit is reported from here instead.
+        self.source.resolve(repo, commit)
         files = select_files(self.source.list_files(repo, commit), repo)
         if not files:
             raise UnsafeRepository(f"{repo}@{commit}: the revision lists no files")
         progress.set_files(files)
-        progress.update(state=State.FETCHING, error_code=0, error_message="")
+        progress.update(
+            state=State.FETCHING, error_code=ErrorCode.ERROR_CODE_UNSPECIFIED, error_message=""
+        )
         self._make_room(repo, commit, files)
         digests = self._fetch_all(repo, commit, files, progress, cancel)
         progress.update(state=State.VERIFYING)

@@ -103,38 +103,47 @@ class RevisionProgress:
             version=self._version,
         )
 
-    def _changed(self) -> None:
+    def _changed(self) -> RevisionView:
         self._version += 1
         self._cond.notify_all()
+        return self._view_locked()
+
+    def _emit(self, view: RevisionView) -> None:
+        # Outside the lock: listeners may read other revisions' progress.
         if self.on_change is not None:
-            self.on_change(self._view_locked())
+            self.on_change(view)
 
     def update(self, **changes: object) -> None:
         with self._cond:
             for k, v in changes.items():
                 setattr(self, k, v)
-            self._changed()
+            view = self._changed()
+        self._emit(view)
 
     def set_files(self, files: list[RemoteFile]) -> None:
         with self._cond:
             self._files = {f.path: _File(f.size, f.sha256 or "") for f in files}
-            self._changed()
+            view = self._changed()
+        self._emit(view)
 
     def add_bytes(self, path: str, n: int) -> None:
         with self._cond:
             self._files[path].bytes_done += n
-            self._changed()
+            view = self._changed()
+        self._emit(view)
 
     def file_done(self, path: str, sha256: str) -> None:
         with self._cond:
             f = self._files[path]
             f.bytes_done, f.sha256, f.done = f.size, sha256, True
-            self._changed()
+            view = self._changed()
+        self._emit(view)
 
     def file_restart(self, path: str) -> None:
         with self._cond:
             self._files[path].bytes_done = 0
-            self._changed()
+            view = self._changed()
+        self._emit(view)
 
     def fail(self, err: SidecarError, retrying: bool = False) -> None:
         self.update(
