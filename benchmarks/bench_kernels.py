@@ -2,7 +2,8 @@
 
 Decode batches and prefill chunks over a paged bf16 cache (Llama-8B-like heads by default); also
 dense SDPA on contiguous K/V as a yardstick, and the kernel's achieved KV read bandwidth on decode.
-Prints a table with ratios, writes JSON under benchmarks/results/. Needs a GPU; on CPU it says so.
+Also RMSNorm, Triton vs reference. Prints tables with ratios, writes JSON under benchmarks/results/.
+Needs a GPU; on CPU it says so and exits 0.
 
     python benchmarks/bench_kernels.py [--quick] [--heads 32 --kv-heads 8 --head-dim 128]
 """
@@ -117,6 +118,28 @@ def measure(w: Workload, args: argparse.Namespace, dtype: torch.dtype) -> dict[s
     }
 
 
+def measure_rms_norm(tokens: int, hidden: int, dtype: torch.dtype) -> dict[str, Any]:
+    import triton.testing
+
+    from kernels.rms_norm import rms_norm, rms_norm_ref
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    w = torch.randn(hidden, device="cuda", dtype=dtype)
+    err = float((rms_norm(x, w, 1e-5).float() - rms_norm_ref(x, w, 1e-5).float()).abs().max())
+    t_tri = float(triton.testing.do_bench(lambda: rms_norm(x, w, 1e-5)))
+    t_ref = float(triton.testing.do_bench(lambda: rms_norm_ref(x, w, 1e-5)))
+    gbps = 2 * x.numel() * x.element_size() / (t_tri * 1e-3) / 1e9
+    return {
+        "tokens": tokens,
+        "hidden": hidden,
+        "triton_ms": t_tri,
+        "reference_ms": t_ref,
+        "speedup_vs_reference": t_ref / t_tri,
+        "gb_per_s": gbps,
+        "max_abs_err_vs_reference": err,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer workloads")
@@ -152,12 +175,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['max_abs_err_vs_reference']:8.1e}"
         )
         torch.cuda.empty_cache()
+    norms: list[dict[str, Any]] = []
+    print(
+        f"\n{'rms_norm tokens x hidden':34} {'triton ms':>10} {'ref ms':>9} {'ref/tri':>8} "
+        f"{'GB/s':>8} {'max err':>8}"
+    )
+    for tokens, hidden in [(1, 4096), (256, 4096), (8192, 4096), (8192, 8192)]:
+        r = measure_rms_norm(tokens, hidden, dtype)
+        norms.append(r)
+        print(
+            f"{f'{tokens} x {hidden}':34} {r['triton_ms']:10.4f} {r['reference_ms']:9.4f} "
+            f"{r['speedup_vs_reference']:8.1f} {r['gb_per_s']:8.0f} "
+            f"{r['max_abs_err_vs_reference']:8.1e}"
+        )
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "config": {k: str(v) for k, v in vars(args).items()},
         "rows": rows,
+        "rms_norm": norms,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
