@@ -89,6 +89,12 @@ def add_common(p: argparse.ArgumentParser, mirror: bool = True) -> None:
         "--range-connections", type=int, default=int(_env("CACHE_SIDECAR_RANGE_CONNECTIONS") or 4)
     )
     p.add_argument(
+        "--chunk-bytes",
+        type=parse_size,
+        default=parse_size(_env("CACHE_SIDECAR_CHUNK_BYTES") or "8Mi"),
+        help="Range request size, also how often resume progress is recorded (env CACHE_SIDECAR_CHUNK_BYTES)",
+    )
+    p.add_argument(
         "--stall-timeout", type=float, default=float(_env("CACHE_SIDECAR_STALL_TIMEOUT") or 30)
     )
     p.add_argument(
@@ -125,6 +131,8 @@ def build_cache(args: argparse.Namespace, needs_mirror: bool = True) -> WeightCa
         parallel_files=getattr(args, "parallel_files", 4),
         range_connections=getattr(args, "range_connections", 4),
         stall_timeout_s=getattr(args, "stall_timeout", 30.0),
+        chunk_bytes=getattr(args, "chunk_bytes", 8 * 2**20),
+        min_ranged_bytes=2 * getattr(args, "chunk_bytes", 8 * 2**20),
         backoff_base_s=getattr(args, "backoff", 0.5),
     )
     cfg = CacheConfig(

@@ -33,7 +33,7 @@ class Fault:
     fail_status: int = 503
     drop_after: int | None = None  # close the connection after this many body bytes ...
     drop_times: int = 1  # ... on this many GETs
-    stall_s: float = 0.0  # sleep this long mid-body (after `stall_after` bytes) ...
+    stall_s: float = 0.0  # sleep this long when the body reaches file offset `stall_after` ...
     stall_after: int = 0
     stall_times: int = 1  # ... on this many GETs
     corrupt_offset: int | None = None  # flip this byte of the content (every GET)
@@ -263,9 +263,6 @@ class _Handler(BaseHTTPRequestHandler):
             drop = None
             if not head and fault.drop_after is not None and fault.drop_times > 0:
                 drop, fault.drop_times = fault.drop_after, fault.drop_times - 1
-            stall = not head and fault.stall_s > 0 and fault.stall_times > 0
-            if stall:
-                fault.stall_times -= 1
         if fail:
             return self._json(fault.fail_status, {"error": "injected failure"}, head)
         data = f.pointer if fault.lfs_pointer_as_content else mirror.content(repo_id, path)
@@ -299,10 +296,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        self._send_body(path, memoryview(data)[start : end + 1], drop, fault if stall else None)
+        with mirror._lock:  # a stall is spent only by a body that reaches its offset
+            stall = (
+                fault.stall_s > 0 and fault.stall_times > 0 and start <= fault.stall_after <= end
+            )
+            if stall:
+                fault.stall_times -= 1
+        self._send_body(
+            path, memoryview(data)[start : end + 1], start, drop, fault if stall else None
+        )
 
     def _send_body(
-        self, path: str, body: memoryview, drop: int | None, stall: Fault | None
+        self, path: str, body: memoryview, start: int, drop: int | None, stall: Fault | None
     ) -> None:
         sent, step = 0, 256 * 1024
         try:
@@ -315,9 +320,13 @@ class _Handler(BaseHTTPRequestHandler):
                         self.wfile.flush()
                         self.connection.shutdown(2)
                         return
-                if stall is not None and sent >= stall.stall_after:
-                    time.sleep(stall.stall_s)
-                    stall = None
+                if stall is not None and start + sent + n > stall.stall_after:
+                    n = max(0, stall.stall_after - start - sent)  # stop exactly at the offset
+                    if n == 0:
+                        self.wfile.flush()
+                        time.sleep(stall.stall_s)
+                        stall = None
+                        continue
                 self.wfile.write(body[sent : sent + n])
                 sent += n
                 with self.mirror._lock:
