@@ -54,9 +54,13 @@ class MirrorFile:
 
 @dataclass
 class MirrorRepo:
-    files: dict[str, MirrorFile] = field(default_factory=dict)
+    files: dict[str, MirrorFile] = field(default_factory=dict)  # of the newest commit
     refs: dict[str, str] = field(default_factory=dict)  # branch/tag -> commit
-    commits: set[str] = field(default_factory=set)
+    trees: dict[str, dict[str, MirrorFile]] = field(default_factory=dict)  # commit -> files
+
+    @property
+    def commits(self) -> set[str]:
+        return set(self.trees)
 
 
 def _git_blob_sha1(data: bytes) -> str:
@@ -118,7 +122,9 @@ class RangeMirror:
         for p in sorted(src_dir.rglob("*")):
             if p.is_file():
                 rel = p.relative_to(src_dir).as_posix()
-                files[rel] = self._describe(rel, p.read_bytes(), p)
+                data = p.read_bytes()
+                # Small files are kept per commit; large ones are read from `src_dir` when served.
+                files[rel] = self._describe(rel, data, p if len(data) > 2**20 else None)
         return self._commit(repo_id, files, branch)
 
     def put_file(self, repo_id: str, path: str, data: bytes, lfs: bool | None = None) -> str:
@@ -153,12 +159,13 @@ class RangeMirror:
         commit = hashlib.sha1(f"{repo_id}\n{listing}".encode()).hexdigest()
         with self._lock:
             repo.files = files
-            repo.commits.add(commit)
+            repo.trees[commit] = files
             repo.refs[branch] = commit
         return commit
 
-    def content(self, repo_id: str, path: str) -> bytes:
-        f = self.repos[repo_id].files[path]
+    def content(self, repo_id: str, path: str, commit: str | None = None) -> bytes:
+        repo = self.repos[repo_id]
+        f = (repo.trees[commit] if commit else repo.files)[path]
         return f.data_path.read_bytes() if f.data_path is not None else f.inline
 
     def reset_counters(self) -> None:
@@ -216,17 +223,18 @@ class _Handler(BaseHTTPRequestHandler):
             "tags": [],
             "downloads": 0,
             "likes": 0,
-            "siblings": [{"rfilename": p} for p in sorted(repo.files)],
+            "siblings": [{"rfilename": p} for p in sorted(repo.trees[commit])],
         }
         self._json(200, body, head)
 
     def _tree(self, repo_id: str, rev: str, prefix: str, recursive: bool, head: bool) -> None:
-        if self._commit_of(repo_id, rev) is None:
+        found = self._commit_of(repo_id, rev)
+        if found is None:
             return self._not_found(head)
-        repo = self.mirror.repos[repo_id]
+        repo, commit = found
         prefix = prefix.strip("/")
         entries, folders = [], set()
-        for f in sorted(repo.files.values(), key=lambda f: f.path):
+        for f in sorted(repo.trees[commit].values(), key=lambda f: f.path):
             if prefix and not f.path.startswith(prefix + "/"):
                 continue
             rest = f.path[len(prefix) + 1 :] if prefix else f.path
@@ -248,10 +256,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _resolve(self, repo_id: str, rev: str, path: str, head: bool) -> None:
         found = self._commit_of(repo_id, rev)
-        if found is None or path not in found[0].files:
+        if found is None or path not in found[0].trees[found[1]]:
             return self._not_found(head)
         repo, commit = found
-        f = repo.files[path]
+        f = repo.trees[commit][path]
         mirror = self.mirror
         fault = mirror.faults.get(path, Fault())
         with mirror._lock:
@@ -265,7 +273,7 @@ class _Handler(BaseHTTPRequestHandler):
                 drop, fault.drop_times = fault.drop_after, fault.drop_times - 1
         if fail:
             return self._json(fault.fail_status, {"error": "injected failure"}, head)
-        data = f.pointer if fault.lfs_pointer_as_content else mirror.content(repo_id, path)
+        data = f.pointer if fault.lfs_pointer_as_content else mirror.content(repo_id, path, commit)
         if fault.corrupt_offset is not None and fault.corrupt_offset < len(data):
             i = fault.corrupt_offset
             data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
