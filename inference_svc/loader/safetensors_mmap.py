@@ -211,7 +211,3 @@ class SafetensorsFile:
             self.mapping(), dtype=torch.uint8, count=info.nbytes, offset=info.start
         )
         return flat.view(info.dtype).view(info.shape)
-
-    def release(self) -> None:
-        """Drop this object's reference to the mapping (tensors still using it keep it alive)."""
-        self._mmap = None

@@ -86,6 +86,16 @@ _LAYER_TENSORS: dict[str, tuple[str, str, str | None]] = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def checkpoint_name(param: str) -> str:
+    """The checkpoint tensor a model parameter is loaded from (for messages)."""
+    m = _LAYER.fullmatch(param)
+    if m is not None:
+        for suffix, (module_suffix, param_suffix, _) in _LAYER_TENSORS.items():
+            if m.group(2) == f"{module_suffix}.{param_suffix}":
+                return f"model.layers.{m.group(1)}.{suffix}"
+    return param
+
+
 def expected_shape(suffix: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     """Full checkpoint shape of a per-layer tensor, or None if this config has no such tensor."""
     h, d = cfg.hidden_size, cfg.head_dim

@@ -20,7 +20,13 @@ from torch import nn
 from inference_svc.loader.checkpoint import Checkpoint
 from inference_svc.loader.errors import MissingTensorError, UnexpectedTensorError
 from inference_svc.loader.safetensors_mmap import SafetensorsFile
-from inference_svc.loader.tp_plan import Split, TensorPlan, TensorPlanError, plan_tensor
+from inference_svc.loader.tp_plan import (
+    Split,
+    TensorPlan,
+    TensorPlanError,
+    checkpoint_name,
+    plan_tensor,
+)
 from inference_svc.model.llama import CausalLM
 from inference_svc.model.parallel import Loadable, usable_in_place
 
@@ -72,10 +78,10 @@ def plan_checkpoint(ckpt: Checkpoint, model: CausalLM) -> list[TensorPlan]:
     wanted = {n for n, _ in model.named_parameters()}
     if cfg.tie_word_embeddings:
         wanted.discard("lm_head.weight")
-    missing = wanted - {p.param for p in plans}
+    missing = sorted(checkpoint_name(n) for n in wanted - {p.param for p in plans})
     if missing:
         raise MissingTensorError(
-            ckpt.model_dir, f"{len(missing)} weights missing, e.g. {sorted(missing)[:3]}"
+            ckpt.model_dir, f"{len(missing)} tensors missing from the checkpoint: {missing[:3]}"
         )
     return plans
 
@@ -223,10 +229,3 @@ def _install_cuda(
             events[slot] = ev
     stream.synchronize()
     torch.cuda.current_stream(device).wait_stream(stream)
-
-
-def release(model: nn.Module) -> None:
-    """Drop all weights (and with them, the mappings they hold)."""
-    for module in model.modules():
-        for key in list(module._parameters):
-            module._parameters[key] = None

@@ -13,6 +13,7 @@ from inference_svc.loader.tp_plan import (
     Split,
     TensorPlan,
     TensorPlanError,
+    checkpoint_name,
     expected_shape,
     kv_head_range,
     plan_tensor,
@@ -152,6 +153,13 @@ def test_vocab_not_divisible_pads_and_last_rank_gets_the_tail() -> None:
     assert padded_vocab_size(513, 2) == 640
     assert [(p.start, p.stop) for p in plans if p] == [(0, 320), (320, 513)]
     assert padded_vocab_size(513, 1) == 513  # TP=1: used as is
+
+
+def test_checkpoint_name_inverts_the_plan() -> None:
+    cfg = make_config(4, 2, 64, bias=True, qk_norm=True)
+    for name, shape in checkpoint_shapes(cfg).items():
+        plan = plan_tensor(name, shape, cfg, 2, 1)
+        assert plan is not None and checkpoint_name(plan.param) == name
 
 
 def test_refuses_unknown_tensors_and_wrong_shapes() -> None:
