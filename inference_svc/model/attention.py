@@ -40,6 +40,12 @@ class AttentionMetadata:
         return [int(x) for x in self.seq_lens.tolist()]
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
+        """On `device`; self when already there (keeps the cached python lists)."""
+        if self.slot_mapping.device == torch.device(device) and all(
+            t.device == self.slot_mapping.device
+            for t in (self.query_start_loc, self.seq_lens, self.block_tables)
+        ):
+            return self
         return AttentionMetadata(
             query_start_loc=self.query_start_loc.to(device),
             seq_lens=self.seq_lens.to(device),
