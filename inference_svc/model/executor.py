@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,6 +66,7 @@ class Executor:
         self._rank = rank_model
         self._workers = workers
         self._closed = False
+        self._broken: str | None = None
 
     def weight_bytes_per_rank(self) -> int:
         return self._rank.weight_bytes()
@@ -72,6 +74,8 @@ class Executor:
     def _check_alive(self) -> None:
         if self._closed:
             raise RuntimeError("executor is shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"TP group stopped after a failed step: {self._broken}")
         dead = [w for w in self._workers if not w.is_alive()]
         if dead:  # a collective with a dead rank would wait out the whole timeout
             raise RuntimeError(f"a TP worker exited (code {dead[0].exitcode}); shut down")
@@ -94,21 +98,39 @@ class Executor:
     ) -> torch.Tensor:
         # Checked before anything is broadcast: a step that fails on every rank would leave the
         # followers out of step with rank 0.
+        self._check_alive()
         check_step(input_ids, positions, meta, logits_indices, self.config.vocab_size,
                    self._rank.kv_caches)  # fmt: skip
         if self.tp_size > 1:
-            self._check_alive()
             send_step(self._rank.model.tp, self.device, input_ids, positions, meta, logits_indices)
         device = self._rank.device
-        logits = self._rank.execute(
-            input_ids.to(device), positions.to(device), meta.to(device), logits_indices.to(device)
-        )
+        with self._collective_step():
+            logits = self._rank.execute(
+                input_ids.to(device),
+                positions.to(device),
+                meta.to(device),
+                logits_indices.to(device),
+            )
         assert logits is not None  # rank 0 always holds the gathered logits
         return logits
 
     def profile_peak_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
         self._command(PROFILE, num_tokens, num_seqs)
-        return self._rank.profile_peak_activation_bytes(num_tokens, num_seqs)
+        with self._collective_step():
+            return self._rank.profile_peak_activation_bytes(num_tokens, num_seqs)
+
+    @contextlib.contextmanager
+    def _collective_step(self) -> Iterator[None]:
+        """Rank 0's share of a step. If it fails half-way the followers wait in a collective
+        rank 0 will never join: stop them, and refuse further steps, rather than hang."""
+        try:
+            yield
+        except BaseException as e:
+            if self.tp_size > 1:
+                self._broken = f"{type(e).__name__}: {e}"
+                for w in self._workers:
+                    w.kill()
+            raise
 
     def shutdown(self) -> None:
         if self._closed:

@@ -162,3 +162,22 @@ def test_a_dead_worker_is_reported_not_waited_on() -> None:
         ex.allocate_kv_cache(8, 4)
     ex.shutdown()
     assert not worker.is_alive()
+
+
+def test_a_failure_on_rank_0_mid_step_stops_the_group_instead_of_hanging() -> None:
+    ex = create_executor(cached_model(TP_SPECS["qwen3-tied"]), tensor_parallel_size=2)
+    ex.allocate_kv_cache(8, 4)
+    meta = AttentionMetadata.for_prefill([3], 4)
+    args = (torch.tensor([1, 2, 3]), torch.arange(3), meta, torch.tensor([2]))
+
+    def fail(*_: object) -> None:
+        raise RuntimeError("injected fault after the first all-reduce")
+
+    # Fault injection into rank 0 only: rank 1 is left inside a collective of layer 1.
+    ex._rank.model.model.layers[1].mlp.forward = fail  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected"):
+        ex.execute(*args)
+    with pytest.raises(RuntimeError, match="TP group stopped after a failed step"):
+        ex.execute(*args)
+    ex.shutdown()
+    assert not any(w.is_alive() for w in ex._workers)
