@@ -74,6 +74,7 @@ _LAYER_TENSORS: dict[str, tuple[str, str, str | None]] = {
     "self_attn.k_proj.bias": ("self_attn.qkv_proj", "bias.k", "k"),
     "self_attn.v_proj.bias": ("self_attn.qkv_proj", "bias.v", "v"),
     "self_attn.o_proj.weight": ("self_attn.o_proj", "weight", None),
+    "self_attn.o_proj.bias": ("self_attn.o_proj", "bias", None),
     "self_attn.q_norm.weight": ("self_attn.q_norm", "weight", None),
     "self_attn.k_norm.weight": ("self_attn.k_norm", "weight", None),
     "mlp.gate_proj.weight": ("mlp.gate_up_proj", "weight.gate", "gate"),
@@ -118,6 +119,8 @@ def expected_shape(suffix: str, cfg: ModelConfig) -> tuple[int, ...] | None:
                 "self_attn.v_proj.bias": (cfg.kv_size,),
             }
         )
+    if cfg.o_bias:
+        shapes["self_attn.o_proj.bias"] = (h,)  # added once after the all-reduce: replicated
     if cfg.qk_norm:
         shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     return shapes.get(suffix)

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-# architecture -> (family, qkv bias forced on, q/k RMSNorm per head)
-ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
-    "LlamaForCausalLM": ("llama", False, False),
-    "MistralForCausalLM": ("mistral", False, False),
-    "Qwen2ForCausalLM": ("qwen2", True, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True),
+# architecture -> family. Biases follow transformers: Llama and Qwen3 put `attention_bias` on
+# q/k/v and o; Qwen2 always biases q/k/v and never o; Mistral has none. Qwen3 norms q and k.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -54,6 +55,7 @@ class ModelConfig:
     rope: RopeConfig
     dtype: torch.dtype
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
@@ -130,7 +132,8 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
             )
-        family, forced_bias, qk_norm = ARCHITECTURES[arch]
+        family = ARCHITECTURES[arch]
+        attention_bias = bool(raw.get("attention_bias", False)) and family in ("llama", "qwen3")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU)")
@@ -166,8 +169,9 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope=_parse_rope(raw),
                 dtype=_parse_dtype(raw),
-                qkv_bias=forced_bias or bool(raw.get("attention_bias", False)),
-                qk_norm=qk_norm,
+                qkv_bias=family == "qwen2" or attention_bias,
+                o_bias=attention_bias,
+                qk_norm=family == "qwen3",
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 eos_token_ids=_eos_ids(raw.get("eos_token_id"), extra_eos),
                 bos_token_id=raw.get("bos_token_id"),

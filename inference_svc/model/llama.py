@@ -33,7 +33,7 @@ class Attention(nn.Module):
         self.num_heads = self.qkv_proj.heads_per_rank
         self.num_kv_heads = self.qkv_proj.kv_heads_per_rank
         self.o_proj = RowParallelLinear(
-            self.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype
+            self.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, dtype
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None

@@ -39,6 +39,7 @@ def make_config(heads: int, kv: int, vocab: int, *, bias: bool = False, qk_norm:
         rope=RopeConfig(theta=10000.0),
         dtype=torch.float32,
         qkv_bias=bias,
+        o_bias=bias,
         qk_norm=qk_norm,
         tie_word_embeddings=tied,
     )
@@ -53,7 +54,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     suffixes = [
         "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+        "self_attn.o_proj.weight", "self_attn.o_proj.bias", "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
         "self_attn.v_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
         "input_layernorm.weight", "post_attention_layernorm.weight",

@@ -97,3 +97,19 @@ def test_generation_config_eos_ids_are_merged(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 2}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert ModelConfig.from_dir(tmp_path).eos_token_ids == (2, 7)
+
+
+@pytest.mark.parametrize(
+    ("arch", "flag", "qkv", "o"),
+    [
+        ("LlamaForCausalLM", True, True, True),
+        ("LlamaForCausalLM", False, False, False),
+        ("Qwen3ForCausalLM", True, True, True),
+        ("Qwen2ForCausalLM", False, True, False),
+        ("Qwen2ForCausalLM", True, True, False),
+        ("MistralForCausalLM", True, False, False),
+    ],
+)
+def test_biases_follow_each_family(arch: str, flag: bool, qkv: bool, o: bool) -> None:
+    cfg = ModelConfig.from_dict({**BASE, "architectures": [arch], "attention_bias": flag})
+    assert (cfg.qkv_bias, cfg.o_bias) == (qkv, o)

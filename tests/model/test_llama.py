@@ -82,3 +82,34 @@ def test_llama3_rope_scaling_changes_the_output() -> None:
         logits.append(batch.step(ex, {seq: long_prompt})[seq])
         ex.shutdown()
     assert rel_err(logits[0], logits[1]) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_attention_bias_on_q_k_v_and_o(family: str, tmp_path: Path) -> None:
+    """Llama/Qwen3 `attention_bias` biases o_proj too (Qwen2 only q/k/v): built here directly,
+    the factory has no such option."""
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family]
+    cfg = config_cls(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+        max_position_embeddings=128, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)  # transformers zeroes them: loading them must matter
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    ex = create_executor(tmp_path, tensor_parallel_size=1)
+    assert ex.config.o_bias and ex.config.qkv_bias
+    ex.allocate_kv_cache(16, 4)
+    prompt = PROMPTS[0]
+    meta = AttentionMetadata.for_prefill([len(prompt)], 4)
+    got = ex.execute(torch.tensor(prompt), torch.arange(len(prompt)), meta, torch.arange(9))
+    ex.shutdown()
+    with torch.inference_mode():
+        want = model.eval()(torch.tensor([prompt])).logits[0]
+    assert rel_err(got, want) < 1e-4
