@@ -103,13 +103,15 @@ def test_attention_bias_on_q_k_v_and_o(family: str, tmp_path: Path) -> None:
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)  # transformers zeroes them: loading them must matter
     model.save_pretrained(tmp_path, max_shard_size="200KB")
-    ex = create_executor(tmp_path, tensor_parallel_size=1)
-    assert ex.config.o_bias and ex.config.qkv_bias
-    ex.allocate_kv_cache(16, 4)
     prompt = PROMPTS[0]
-    meta = AttentionMetadata.for_prefill([len(prompt)], 4)
-    got = ex.execute(torch.tensor(prompt), torch.arange(len(prompt)), meta, torch.arange(9))
-    ex.shutdown()
     with torch.inference_mode():
         want = model.eval()(torch.tensor([prompt])).logits[0]
-    assert rel_err(got, want) < 1e-4
+    # TP=2 as well for Llama: the o bias must be added once, after the all-reduce.
+    for tp in (1, 2) if family == "llama" else (1,):
+        ex = create_executor(tmp_path, tensor_parallel_size=tp)
+        assert ex.config.o_bias and ex.config.qkv_bias
+        ex.allocate_kv_cache(16, 4)
+        meta = AttentionMetadata.for_prefill([len(prompt)], 4)
+        got = ex.execute(torch.tensor(prompt), torch.arange(len(prompt)), meta, torch.arange(9))
+        ex.shutdown()
+        assert rel_err(got, want) < 1e-4, tp
