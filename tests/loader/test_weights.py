@@ -172,3 +172,26 @@ def test_missing_and_unexpected_tensors_are_refused(tmp_path: Path) -> None:
     save_file(tensors, str(ckpt_dir / "model.safetensors"))
     with pytest.raises(UnexpectedTensorError, match=r"up_proj.*shape \[3, 3\]"):
         load_weights(CausalLM(cfg, TPGroup(), torch.float32), Checkpoint(ckpt_dir))
+
+
+def mapped_file(address: int) -> str | None:
+    """The file backing `address` in this process, from /proc/self/maps (None: anonymous)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def test_in_place_weights_live_in_the_file_mapping_and_cast_ones_do_not(wide_dir: Path) -> None:
+    cfg = ModelConfig.from_dir(wide_dir)
+    files = {str(p) for p in wide_dir.glob("*.safetensors")}
+    in_place = CausalLM(cfg, TPGroup(), torch.float32)
+    load_weights(in_place, Checkpoint(wide_dir))
+    for name, p in in_place.named_parameters():
+        assert mapped_file(p.data_ptr()) in files, name
+    cast = CausalLM(cfg, TPGroup(), torch.bfloat16)
+    load_weights(cast, Checkpoint(wide_dir))
+    for name, p in cast.named_parameters():
+        assert mapped_file(p.data_ptr()) not in files, name
