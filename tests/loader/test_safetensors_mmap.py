@@ -222,7 +222,9 @@ def mutated_headers(draw: st.DrawFn) -> bytes:
     return raw_file(header, bytes(draw(st.integers(0, 32))))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(content=mutated_headers())
 def test_fuzzed_headers_only_raise_typed_errors(content: bytes) -> None:
     try:
@@ -239,7 +241,7 @@ def test_fuzzed_headers_only_raise_typed_errors(content: bytes) -> None:
         assert n * info.dtype.itemsize == info.nbytes
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, database=None)
 @given(prefix=st.binary(max_size=64))
 def test_arbitrary_bytes_only_raise_typed_errors(prefix: bytes) -> None:
     with contextlib.suppress(errors.CheckpointError):
