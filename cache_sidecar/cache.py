@@ -8,6 +8,7 @@ exclusive while deleting blobs, blob lock per download, meta lock for short stat
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import logging
 import os
@@ -273,12 +274,17 @@ class WeightCache:
 
         threading.Thread(target=follow_cancel, daemon=True).start()
         digests: dict[str, FileDigest] = {}
+        cfg = dataclasses.replace(
+            self.fetch_cfg,
+            range_connections=self.fetch_cfg.ranges_per_file([f.size for f in files]),
+        )
         # Largest first: the long transfers start at once, the small ones fill the gaps.
         order = sorted(files, key=lambda f: -f.size)
         try:
             with concurrent.futures.ThreadPoolExecutor(self.fetch_cfg.parallel_files) as pool:
                 futures = {
-                    pool.submit(self._fetch_blob, repo, commit, f, progress, stop): f for f in order
+                    pool.submit(self._fetch_blob, repo, commit, f, progress, stop, cfg): f
+                    for f in order
                 }
                 try:
                     for fut in concurrent.futures.as_completed(futures):
@@ -297,6 +303,7 @@ class WeightCache:
         rf: RemoteFile,
         progress: RevisionProgress,
         stop: threading.Event,
+        cfg: FetchConfig,
     ) -> FileDigest:
         assert self.source is not None
         blob = rf.blob_name
@@ -312,7 +319,7 @@ class WeightCache:
                 self.source.target(repo, commit, rf.path),
                 rf,
                 tmp,
-                self.fetch_cfg,
+                cfg,
                 on_bytes=lambda n: progress.add_bytes(rf.path, n),
                 cancel=stop,
             )

@@ -89,6 +89,12 @@ def add_common(p: argparse.ArgumentParser, mirror: bool = True) -> None:
         "--range-connections", type=int, default=int(_env("CACHE_SIDECAR_RANGE_CONNECTIONS") or 4)
     )
     p.add_argument(
+        "--max-connections",
+        type=int,
+        default=int(_env("CACHE_SIDECAR_MAX_CONNECTIONS") or 4),
+        help="Range connections for all large files together (env CACHE_SIDECAR_MAX_CONNECTIONS)",
+    )
+    p.add_argument(
         "--chunk-bytes",
         type=parse_size,
         default=parse_size(_env("CACHE_SIDECAR_CHUNK_BYTES") or "8Mi"),
@@ -130,6 +136,7 @@ def build_cache(args: argparse.Namespace, needs_mirror: bool = True) -> WeightCa
     fetch_cfg = FetchConfig(
         parallel_files=getattr(args, "parallel_files", 4),
         range_connections=getattr(args, "range_connections", 4),
+        max_connections=getattr(args, "max_connections", 4),
         stall_timeout_s=getattr(args, "stall_timeout", 30.0),
         chunk_bytes=getattr(args, "chunk_bytes", 8 * 2**20),
         min_ranged_bytes=2 * getattr(args, "chunk_bytes", 8 * 2**20),

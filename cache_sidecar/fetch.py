@@ -41,6 +41,10 @@ class FetchConfig:
     chunk_bytes: int = 8 * MiB
     min_ranged_bytes: int = 16 * MiB
     window_chunks: int = 8  # how far ahead of the hashed prefix workers may run
+    # Connections for all large files together: several shards in flight already fill the link,
+    # and on few cores more streams only add contention (measured: benchmarks/bench_fetch.py).
+    max_connections: int = 4
+    fsync: bool = True  # durability across power loss; kill -9 safety does not need it
     buffer_bytes: int = 1 * MiB
     max_attempts: int = 6  # consecutive failures of one request before giving up
     backoff_base_s: float = 0.5
@@ -48,12 +52,25 @@ class FetchConfig:
     stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.parallel_files < 1 or self.range_connections < 1 or self.max_attempts < 1:
-            raise ValueError("parallel_files, range_connections and max_attempts must be >= 1")
+        if (
+            min(
+                self.parallel_files, self.range_connections, self.max_attempts, self.max_connections
+            )
+            < 1
+        ):
+            raise ValueError(
+                "parallel_files, range_connections, max_connections and max_attempts must be >= 1"
+            )
         if self.chunk_bytes < 64 * 1024 or self.buffer_bytes < 4096:
             raise ValueError("chunk_bytes must be >= 64 KiB and buffer_bytes >= 4 KiB")
         if self.stall_timeout_s <= 0 or self.backoff_base_s < 0:
             raise ValueError("stall_timeout_s must be > 0 and backoff_base_s >= 0")
+
+    def ranges_per_file(self, sizes: list[int]) -> int:
+        """Range connections per large file when files of `sizes` are fetched together."""
+        large = sum(1 for s in sizes if s >= self.min_ranged_bytes)
+        in_flight = max(1, min(large, self.parallel_files))
+        return max(1, min(self.range_connections, self.max_connections // in_flight))
 
     def backoff(self, attempt: int) -> float:
         # Exponential with "equal jitter": never zero, never synchronised across sidecars.
@@ -71,26 +88,28 @@ class FileDigest:
 class _Hasher:
     """sha256 and git blob sha1 over the file in order; chunks may arrive out of order."""
 
-    def __init__(self, size: int, prefix_file: Path, save_every: int) -> None:
+    def __init__(self, size: int, prefix_file: Path, save_every: int, git_sha1: bool) -> None:
         self.sha256 = hashlib.sha256()
-        self.sha1 = hashlib.sha1(f"blob {size}\0".encode())
+        # The git blob sha1 is only checked for plain (non-LFS) files, which are small.
+        self.sha1 = hashlib.sha1(f"blob {size}\0".encode()) if git_sha1 else None
         self.offset = 0
         self.head = b""
-        self._pending: dict[int, bytes] = {}
+        self._pending: dict[int, bytes | bytearray] = {}
         self._busy = False
         self._cond = threading.Condition()
         self._prefix_file = prefix_file
         self._saved = 0
         self._save_every = save_every
 
-    def update_in_order(self, data: bytes | memoryview) -> None:
+    def update_in_order(self, data: bytes | bytearray | memoryview) -> None:
         if self.offset < 256:
             self.head += bytes(data[: 256 - self.offset])
         self.sha256.update(data)
-        self.sha1.update(data)
+        if self.sha1 is not None:
+            self.sha1.update(data)
         self.offset += len(data)
 
-    def submit(self, offset: int, data: bytes) -> None:
+    def submit(self, offset: int, data: bytes | bytearray) -> None:
         """Take a chunk at `offset`; whoever holds the next one in order hashes what is contiguous."""
         with self._cond:
             self._pending[offset] = data
@@ -173,7 +192,9 @@ class FileDownload:
         size = self.rf.size
         start = resume_prefix(self.tmp) if resume else 0
         self._resumed = start > 0
-        self.hasher = _Hasher(size, prefix_path(self.tmp), self.cfg.chunk_bytes)
+        self.hasher = _Hasher(
+            size, prefix_path(self.tmp), self.cfg.chunk_bytes, git_sha1=not self.rf.is_lfs
+        )
         fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             self._reserve(fd, size)
@@ -189,7 +210,8 @@ class FileDownload:
                 self.hasher.save_prefix(force=True)  # the next attempt resumes from here
                 raise
             digest = self._verify()
-            os.fsync(fd)
+            if self.cfg.fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         prefix_path(self.tmp).unlink(missing_ok=True)
@@ -316,7 +338,7 @@ class FileDownload:
                     raise
                 self._sleep(failures)
         self._write(memoryview(buf), begin)
-        self.hasher.submit(begin, bytes(buf))
+        self.hasher.submit(begin, buf)  # handed over: this worker allocates a new buffer
 
     # ---- helpers
     def _open(self, client: HttpClient, start: int, end: int | None) -> Opened:
@@ -410,7 +432,8 @@ class FileDownload:
             raise TransientTransferError(
                 f"{self.rf.path}: {h.offset} of {self.rf.size} bytes hashed"
             )
-        sha256, git_oid = h.sha256.hexdigest(), h.sha1.hexdigest()
+        sha256 = h.sha256.hexdigest()
+        git_oid = h.sha1.hexdigest() if h.sha1 is not None else (self.rf.git_oid or "")
         if looks_like_lfs_pointer(h.head):
             raise UnsafeRepository(
                 f"{self.rf.path}: the content is a Git LFS pointer file, not the weights"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
 import time
@@ -174,6 +175,35 @@ class RangeMirror:
             self.requests.clear()
 
 
+class _Reader:
+    """Reads a served file's bytes at any offset (from disk or memory), applying content faults."""
+
+    def __init__(self, f: MirrorFile, fault: Fault) -> None:
+        self._f, self._fault, self._fd = f, fault, -1
+
+    def __enter__(self) -> _Reader:
+        if self._f.data_path is not None and not self._fault.lfs_pointer_as_content:
+            self._fd = os.open(self._f.data_path, os.O_RDONLY)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+
+    def read(self, offset: int, n: int) -> bytes:
+        if self._fault.lfs_pointer_as_content:
+            data = self._f.pointer[offset : offset + n]
+        elif self._fd >= 0:
+            data = os.pread(self._fd, n, offset)
+        else:
+            data = self._f.inline[offset : offset + n]
+        i = self._fault.corrupt_offset
+        if i is not None and offset <= i < offset + len(data):
+            k = i - offset
+            data = data[:k] + bytes([data[k] ^ 0xFF]) + data[k + 1 :]
+        return data
+
+
 class _Handler(BaseHTTPRequestHandler):
     mirror: RangeMirror
     protocol_version = "HTTP/1.1"
@@ -273,23 +303,20 @@ class _Handler(BaseHTTPRequestHandler):
                 drop, fault.drop_times = fault.drop_after, fault.drop_times - 1
         if fail:
             return self._json(fault.fail_status, {"error": "injected failure"}, head)
-        data = f.pointer if fault.lfs_pointer_as_content else mirror.content(repo_id, path, commit)
-        if fault.corrupt_offset is not None and fault.corrupt_offset < len(data):
-            i = fault.corrupt_offset
-            data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
-        start, end, status = 0, len(data) - 1, 200
+        size = len(f.pointer) if fault.lfs_pointer_as_content else f.size
+        start, end, status = 0, size - 1, 200
         rng = self.headers.get("Range")
-        if rng and mirror.honour_range and len(data):
+        if rng and mirror.honour_range and size:
             m = _RANGE_RE.match(rng.strip())
             if m and (m.group(1) or m.group(2)):
                 if m.group(1):
                     start = int(m.group(1))
-                    end = min(int(m.group(2)), len(data) - 1) if m.group(2) else len(data) - 1
+                    end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
                 else:
-                    start = max(0, len(data) - int(m.group(2)))
-                if start >= len(data) or start > end:
+                    start = max(0, size - int(m.group(2)))
+                if start >= size or start > end:
                     self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.send_header("Content-Range", f"bytes */{size}")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -300,7 +327,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("X-Repo-Commit", commit)
         self.send_header("ETag", f'"{f.sha256 if f.lfs else f.git_oid}"')
         if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
         self.end_headers()
         if head:
             return
@@ -310,17 +337,23 @@ class _Handler(BaseHTTPRequestHandler):
             )
             if stall:
                 fault.stall_times -= 1
-        self._send_body(
-            path, memoryview(data)[start : end + 1], start, drop, fault if stall else None
-        )
+        with _Reader(f, fault) as reader:
+            self._send_body(path, reader, start, end + 1, drop, fault if stall else None)
 
     def _send_body(
-        self, path: str, body: memoryview, start: int, drop: int | None, stall: Fault | None
+        self,
+        path: str,
+        reader: _Reader,
+        start: int,
+        stop: int,
+        drop: int | None,
+        stall: Fault | None,
     ) -> None:
-        sent, step = 0, 256 * 1024
+        """Send file bytes [start, stop), dropping or stalling as the fault says."""
+        sent, step, length = 0, 1024 * 1024, stop - start
         try:
-            while sent < len(body):
-                n = min(step, len(body) - sent)
+            while sent < length:
+                n = min(step, length - sent)
                 if drop is not None:
                     n = min(n, drop - sent)
                     if n <= 0:
@@ -335,7 +368,7 @@ class _Handler(BaseHTTPRequestHandler):
                         time.sleep(stall.stall_s)
                         stall = None
                         continue
-                self.wfile.write(body[sent : sent + n])
+                self.wfile.write(reader.read(start + sent, n))
                 sent += n
                 with self.mirror._lock:
                     self.mirror.bytes_served[path] += n
