@@ -447,18 +447,7 @@ class WeightCache:
                     if self.store.used_bytes() <= budget:
                         break
                     freed += self._evict_locked(info.repo, info.commit, force=False).freed_bytes
-        for tmp in list(self.store.tmp_dir.glob("*.part")):
-            stem = tmp.name.split(".")[0:2]
-            folder, blob = stem[0], stem[1] if len(stem) > 1 else ""
-            lock = self.store.blob_lock(folder.removeprefix("models--").replace("--", "/"), blob)
-            if lock.acquire(timeout_s=0):
-                try:
-                    size = tmp.stat().st_size if tmp.exists() else 0
-                    discard_temp(tmp)
-                    freed += size
-                finally:
-                    lock.release()
-        return freed
+        return freed + self.store.sweep()
 
     # ---- pins, leases, listing
     def set_pin(

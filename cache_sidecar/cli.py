@@ -168,8 +168,7 @@ class _Bar:
                 from tqdm import tqdm
 
                 self._bar = tqdm(total=view.bytes_total, unit="B", unit_scale=True, desc=view.repo)
-            self._bar.n = view.bytes_done
-            self._bar.refresh()
+            self._bar.update(view.bytes_done - self._bar.n)  # tqdm rate-limits its redraws
 
     def close(self) -> None:
         if self._bar is not None:

@@ -49,6 +49,12 @@ def select_files(files: list[RemoteFile], repo: str) -> list[RemoteFile]:
     names = {f.path for f in files}
     if len(names) != len(files):
         raise UnsafeRepository(f"{repo}: the listing names a path twice")
+    for f in files:
+        parent = posixpath.dirname(f.path)
+        while parent:
+            if parent in names:
+                raise UnsafeRepository(f"{repo}: {parent!r} is listed as a file and a directory")
+            parent = posixpath.dirname(parent)
     has_safetensors = any(f.path.endswith(".safetensors") for f in files)
     pickles = [f.path for f in files if is_pickle(f.path)]
     if pickles and not has_safetensors:

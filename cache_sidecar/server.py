@@ -24,6 +24,7 @@ from cache_sidecar.cache import WeightCache
 from cache_sidecar.errors import Cancelled, ErrorCode, InvalidReference, SidecarError
 from cache_sidecar.progress import RevisionProgress, RevisionView, State
 from cache_sidecar.refs import ModelRef
+from inference_svc.server.tracing import Tracing, TracingConfig
 from protos.weightcache.v1 import cache_pb2, cache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -285,14 +286,22 @@ class WeightCacheServicer(cache_pb2_grpc.WeightCacheServicer):
 class SidecarServer:
     """The gRPC server, its health states and the jobs keeping configured revisions READY."""
 
-    def __init__(self, cache: WeightCache, models: list[ModelRef], max_workers: int = 32) -> None:
+    def __init__(
+        self,
+        cache: WeightCache,
+        models: list[ModelRef],
+        max_workers: int = 32,
+        tracing: Tracing | None = None,  # default: from OTEL_TRACES_EXPORTER / OTEL_SERVICE_NAME
+    ) -> None:
         self.cache = cache
+        self.tracing = tracing or Tracing.from_config(TracingConfig.from_env("cache-sidecar"))
         self.models = models
         self.jobs = Jobs(cache)
         self.stopping = threading.Event()
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.server = grpc.server(
-            concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grpc")
+            concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="grpc"),
+            interceptors=self.tracing.interceptors(),
         )
         cache_pb2_grpc.add_WeightCacheServicer_to_server(
             WeightCacheServicer(self.jobs, self.stopping), self.server
@@ -344,6 +353,7 @@ class SidecarServer:
         self.health.enter_graceful_shutdown()
         self.jobs.cancel_all(timeout_s=grace_s)
         self.server.stop(grace_s).wait()
+        self.tracing.shutdown()
 
 
 def _serving(ok: bool) -> int:

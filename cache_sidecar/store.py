@@ -10,6 +10,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -22,6 +23,8 @@ from cache_sidecar.locks import FileLock
 from cache_sidecar.manifest import Manifest, manifest_digest, read_manifest
 
 META_DIR = ".weightcache"
+_BLOB_TEMP = re.compile(r"^(models--.+)\.([0-9a-f]{40}|[0-9a-f]{64})\.\d+\.[0-9a-f]{8}\.part$")
+STALE_TEMP_S = 3600.0  # other temps (manifest writes, snapshot staging) live for milliseconds
 
 
 def repo_folder(repo: str) -> str:
@@ -260,8 +263,67 @@ class Store:
                     path.unlink()
         return freed
 
+    def sweep(self, stale_after_s: float = STALE_TEMP_S) -> int:
+        """Delete what no live fetch owns: blob temps whose lock is free, old staging leftovers,
+        and blobs no manifest references in repos with no fetch in progress. Returns bytes freed.
+        """
+        freed = 0
+        now = time.time()
+        for entry in list(self.tmp_dir.iterdir()):
+            if entry.name.endswith(".prefix"):
+                continue  # goes with its .part
+            m = _BLOB_TEMP.match(entry.name)
+            if m:
+                lock = self.blob_lock(repo_from_folder(m.group(1)), m.group(2))
+                if lock.acquire(timeout_s=0):
+                    try:
+                        freed += _remove(entry)
+                        freed += _remove(entry.with_name(entry.name + ".prefix"))
+                    finally:
+                        lock.release()
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.name.startswith("old-") or now - entry.lstat().st_mtime > stale_after_s:
+                    freed += _remove(entry)
+        for repo_dir in sorted(self.root.glob("models--*")):
+            repo = repo_from_folder(repo_dir.name)
+            lock = self.repo_lock(repo, shared=False)
+            if not lock.acquire(timeout_s=0):
+                continue  # a fetch is running in this repo: its new blobs are not orphans
+            try:
+                keep = self.referenced_blobs(repo)
+                blobs = repo_dir / "blobs"
+                for blob in sorted(blobs.iterdir()) if blobs.is_dir() else []:
+                    if blob.name not in keep:
+                        freed += _remove(blob)
+            finally:
+                lock.release()
+        return freed
+
     def touch(self, repo: str, commit: str) -> None:
         with self.meta_lock():
             state = self.read_state(repo, commit)
             state.last_used = time.time()
             self.write_state(repo, commit, state)
+
+
+def _remove(path: Path) -> int:
+    """Delete a file or a directory tree; the bytes it held."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            size = sum(
+                p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()
+            )
+            shutil.rmtree(path, ignore_errors=True)
+            return size
+        size = path.lstat().st_size
+        path.unlink()
+        return size
+    except FileNotFoundError:
+        return 0
+
+
+def manifest_for_snapshot(snapshot: Path) -> Path:
+    """The manifest of a published snapshot (`<root>/models--o--n/snapshots/<commit>`)."""
+    root, folder = snapshot.parents[2], snapshot.parents[1].name
+    return root / META_DIR / "manifests" / folder / f"{snapshot.name}.json"

@@ -101,3 +101,31 @@ def test_gc_evicts_down_to_the_budget(range_mirror: RangeMirror, tmp_path: Path)
     tight = make_cache(tmp_path / "vol", None, budget_bytes=int(1.5 * REPO_BYTES))
     assert tight.gc() > REPO_BYTES // 2
     assert [i.repo for i in tight.revisions()] == [b.repo]
+
+
+def test_gc_sweeps_abandoned_temps_and_orphan_blobs(
+    range_mirror: RangeMirror, tmp_path: Path
+) -> None:
+    a = _publish(range_mirror, tmp_path, "a")
+    cache = make_cache(tmp_path / "vol", range_mirror.url)
+    pub = cache.ensure(a)
+    store = cache.store
+    tmp = store.tmp_dir
+    dead_blob_temp = tmp / f"models--org--a.{'e' * 64}.4242.0123abcd.part"
+    dead_blob_temp.write_bytes(b"x" * 100)
+    dead_blob_temp.with_name(dead_blob_temp.name + ".prefix").write_text("100")
+    orphan = store.blob_path("org/a", "f" * 64)
+    orphan.write_bytes(b"y" * 50)
+    fresh_write = tmp / "state.json.4242.0123abcd.part"  # a write in flight elsewhere: kept
+    fresh_write.write_bytes(b"{}")
+    held = store.blob_lock("org/a", "d" * 64)
+    assert held.acquire(timeout_s=0)
+    live_temp = tmp / f"models--org--a.{'d' * 64}.4243.0123abcd.part"  # its fetch is alive
+    live_temp.write_bytes(b"z" * 10)
+    try:
+        assert cache.gc() == 150 + len("100")
+    finally:
+        held.release()
+    assert not dead_blob_temp.exists() and not orphan.exists()
+    assert fresh_write.exists() and live_temp.exists()
+    assert cache.verify(a.repo, a.revision) == [] and pub.path.is_dir()

@@ -131,3 +131,22 @@ def test_branch_needs_allow_branch_and_is_recorded(
         offline.ensure(ModelRef("org/tiny-branch", "dev", allow_branch=True))
     with pytest.raises(OfflineMiss, match="not on this volume"):
         offline.ensure(ModelRef("org/tiny-branch", "f" * 40))
+
+
+def test_manifest_is_found_from_the_snapshot_path(
+    olah: MirrorFixture, tiny_model: Path, tmp_path: Path
+) -> None:
+    from cache_sidecar.manifest import manifest_digest, read_manifest
+    from cache_sidecar.store import manifest_for_snapshot
+
+    commit = olah.publish("org/tiny-manifest", tiny_model)
+    pub = make_cache(tmp_path / "vol", olah.url).ensure(ModelRef("org/tiny-manifest", commit))
+    path = manifest_for_snapshot(pub.path)
+    manifest, digest = read_manifest(path)
+    assert digest == pub.manifest_digest == manifest_digest(path.read_bytes())
+    assert (manifest.repo, manifest.commit, manifest.source_kind) == (
+        "org/tiny-manifest",
+        commit,
+        "hf-mirror",
+    )
+    assert manifest.total_bytes == sum((pub.path / f.path).stat().st_size for f in manifest.files)

@@ -149,3 +149,9 @@ def test_lfs_pointer_as_content_fails_the_revision(
     with pytest.raises(UnsafeRepository, match="Git LFS pointer"):
         make_cache(tmp_path / "vol", range_mirror.url).ensure(ModelRef("org/ptr", commit))
     _assert_unpublished(tmp_path, "org/ptr", commit)
+
+
+def test_path_listed_as_file_and_directory_is_refused() -> None:
+    files = [RemoteFile("a", 1, "a" * 40), RemoteFile("a/b.json", 1, "b" * 40)]
+    with pytest.raises(UnsafeRepository, match="listed as a file and a directory"):
+        select_files(files, "org/x")
