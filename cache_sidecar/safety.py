@@ -46,6 +46,8 @@ def select_files(files: list[RemoteFile], repo: str) -> list[RemoteFile]:
         check_path(f.path)
         if f.size < 0:
             raise UnsafeRepository(f"{f.path}: negative size in the listing")
+        if not (f.sha256 or f.git_oid):
+            raise UnsafeRepository(f"{f.path}: the listing gives no hash to verify it against")
     names = {f.path for f in files}
     if len(names) != len(files):
         raise UnsafeRepository(f"{repo}: the listing names a path twice")

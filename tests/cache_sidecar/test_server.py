@@ -209,3 +209,34 @@ def test_serve_process_offline_and_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_corruption_fails_over_grpc_then_succeeds_once_fixed(tmp_path: Path) -> None:
+    from inference_svc.testing.range_mirror import Fault
+
+    with RangeMirror() as mirror:
+        commit = mirror.publish("org/corrupt", small_repo(tmp_path / "src"))
+        mirror.faults["model.safetensors"] = Fault(corrupt_offset=123_456)
+        server = SidecarServer(make_cache(tmp_path / "vol", mirror.url), [])
+        port = server.start("127.0.0.1:0")
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = cache_pb2_grpc.WeightCacheStub(channel)
+        try:
+            req = cache_pb2.EnsureRequest(model=_model(commit, "org/corrupt"))
+            failed = list(stub.Ensure(req, timeout=60))[-1]
+            assert failed.state == cache_pb2.FAILED
+            assert failed.error_code == cache_pb2.CHECKSUM_MISMATCH
+            assert failed.error_message.startswith("model.safetensors: sha256 mismatch, expected ")
+            assert (
+                failed.local_path == ""
+                and not (tmp_path / "vol" / "models--org--corrupt" / "snapshots").exists()
+            )
+            del mirror.faults["model.safetensors"]
+            ready = list(stub.Ensure(req, timeout=60))[-1]
+            assert ready.state == cache_pb2.READY and ready.error_message == ""
+            assert (Path(ready.local_path) / "model.safetensors").read_bytes() == (
+                tmp_path / "src" / "model.safetensors"
+            ).read_bytes()
+        finally:
+            channel.close()
+            server.stop(1.0)
