@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +20,14 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_svc.engine.async_engine import AsyncEngine
 from inference_svc.engine.engine import Engine, EngineConfig
-from inference_svc.engine.outputs import EngineStats
+from inference_svc.engine.outputs import EngineStats, RequestOutput
 from inference_svc.server.native import InferenceServicer
 from inference_svc.server.runtime import LoadedModel, ModelCard, ServingState
 from inference_svc.server.sidecar_client import SidecarClient, SidecarModel, parse_model_ref
 from inference_svc.server.telemetry import Telemetry
 from inference_svc.server.tgis import GenerationServicer
-from inference_svc.server.validation import ModelLimits
+from inference_svc.server.tracing import EXPORTERS, Tracing, TracingConfig
+from inference_svc.server.validation import GenerationInput, ModelLimits
 from protos.fmaas import generation_pb2, generation_pb2_grpc
 from protos.llm.v1 import inference_pb2, inference_pb2_grpc
 
@@ -69,6 +71,7 @@ class ServerConfig:
     tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a cert it signed
     health_port: int | None = None  # with TLS: a plaintext port serving grpc.health.v1 only
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off
+    traces_exporter: str | None = None  # none, console, otlp; None: OTEL_TRACES_EXPORTER or none
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.sidecar is None):
@@ -87,6 +90,11 @@ class ServerConfig:
             raise ValueError("--health-port is for TLS servers; without TLS use --port")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.traces_exporter is not None and self.traces_exporter not in EXPORTERS:
+            raise ValueError(
+                f"--traces-exporter (OTEL_TRACES_EXPORTER) must be one of {', '.join(EXPORTERS)}, "
+                f"got {self.traces_exporter!r}"
+            )
 
     @property
     def tls(self) -> bool:
@@ -174,16 +182,46 @@ def _write_port_file(path: Path, port: int) -> None:
     tmp.replace(path)  # readers never see a half-written port
 
 
-class InferenceServer:
-    """One grpc.aio server with the native and TGIS servicers, health and reflection."""
+class _TracedState(ServingState):
+    """Used only when tracing is on: each engine request gets a GenAI span under its RPC's."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, telemetry: Telemetry, tracing: Tracing) -> None:
+        super().__init__(telemetry)
+        self.tracing = tracing
+
+    def stream(
+        self, gen: GenerationInput, request_id: str = "", api: str = "llm.v1.Inference"
+    ) -> AsyncIterator[RequestOutput]:
+        model_id = self.model.card.model_id if self.loaded else ""
+        outputs = super().stream(gen, request_id, api)
+        prompt, max_tokens = len(gen.prompt_token_ids), gen.params.max_tokens
+        return self.tracing.generation(outputs, prompt, max_tokens, model_id)
+
+
+class InferenceServer:
+    """One grpc.aio server with the native and TGIS servicers, health and reflection.
+
+    `tracing` defaults to what cfg.traces_exporter and the OTEL_* environment say.
+    """
+
+    def __init__(self, cfg: ServerConfig, tracing: Tracing | None = None) -> None:
         self.cfg = cfg
         self.telemetry = Telemetry(stats=self._stats)
-        self.state = ServingState(self.telemetry)
+        if tracing is None:
+            tracing = Tracing.from_config(
+                TracingConfig.from_env("inference-svc", cfg.traces_exporter)
+            )
+        self.tracing = tracing
+        self.state = (
+            _TracedState(self.telemetry, tracing)
+            if tracing.enabled
+            else ServingState(self.telemetry)
+        )
         self.metrics_port = 0
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=_SERVER_OPTIONS)
+        self.server = grpc.aio.server(
+            options=_SERVER_OPTIONS, interceptors=tracing.aio_interceptors()
+        )
         self.port = 0
         # With TLS, kubelet probes cannot present certificates: health alone goes plaintext.
         self.health_server: grpc.aio.Server | None = None
@@ -288,6 +326,7 @@ class InferenceServer:
         if self.health_server is not None:
             await self.health_server.stop(0)
         self.telemetry.shutdown()
+        self.tracing.shutdown()
         await self.close()
 
     async def close(self) -> None:

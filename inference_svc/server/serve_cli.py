@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _option(net, "--tls-client-ca", "PEM CA bundle: require client certificates (mTLS)", type=Path)
     _option(net, "--health-port", "with TLS: plaintext port serving health only", type=int)
     _option(net, "--metrics-port", "Prometheus /metrics HTTP port (default off)", type=int)
+    _option(net, "--traces-exporter", "OpenTelemetry traces: none, console or otlp "
+            "(default: OTEL_TRACES_EXPORTER, else none)",
+            os.environ.get("OTEL_TRACES_EXPORTER"))  # fmt: skip
     _option(net, "--grace", "seconds in-flight requests get on SIGTERM", 30.0, type=float)
     eng = p.add_argument_group("engine")
     _option(eng, "--tp", "tensor parallel size", 1, type=int)
@@ -95,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_client_ca=args.tls_client_ca,
         health_port=args.health_port,
         metrics_port=args.metrics_port,
+        traces_exporter=args.traces_exporter,
     )
 
 
