@@ -30,6 +30,7 @@ from cache_sidecar.errors import (
     SidecarError,
     UnsafeRepository,
 )
+from cache_sidecar.eviction import Evictor, EvictResult, RevisionInfo
 from cache_sidecar.fetch import FetchConfig, FileDigest, FileDownload, discard_temp, prefix_path
 from cache_sidecar.locks import check_locks_exclude
 from cache_sidecar.manifest import Manifest, ManifestFile
@@ -66,25 +67,6 @@ class Published:
     manifest: Manifest
 
 
-@dataclass(frozen=True)
-class RevisionInfo:
-    repo: str
-    commit: str
-    size_bytes: int
-    pinned: bool
-    leases: tuple[str, ...]
-    last_used: float
-    path: Path
-    manifest_digest: str
-
-
-@dataclass(frozen=True)
-class EvictResult:
-    evicted: bool
-    freed_bytes: int
-    message: str
-
-
 class WeightCache:
     def __init__(
         self, cfg: CacheConfig, source: Source | None, fetch_cfg: FetchConfig | None = None
@@ -94,6 +76,7 @@ class WeightCache:
         self.fetch_cfg = fetch_cfg or FetchConfig()
         self.store = Store(cfg.cache_dir)
         check_locks_exclude(self.store.lock_dir)
+        self.evictor = Evictor(self.store, cfg.budget_bytes)
         self._resolved: dict[tuple[str, str], str] = {}  # branch resolutions, once per process
         self._resolved_lock = threading.Lock()
 
@@ -378,116 +361,25 @@ class WeightCache:
             raise DiskFull(
                 f"{repo}@{commit} needs {needed} more bytes, the cache volume has {free} free"
             )
-        budget = self.cfg.budget_bytes
-        if budget is None:
-            return
-        with self.store.meta_lock():
-            used = self.store.used_bytes()
-            if used + needed <= budget:
-                return
-            for info in self._eviction_candidates(exclude=(repo, commit)):
-                result = self._evict_locked(info.repo, info.commit, force=False)
-                if result.evicted:
-                    log.info(
-                        "evicted %s@%s (%d bytes) for %s",
-                        info.repo,
-                        info.commit,
-                        result.freed_bytes,
-                        repo,
-                    )
-                used = self.store.used_bytes()
-                if used + needed <= budget:
-                    return
-        raise DiskFull(
-            f"{repo}@{commit} needs {needed} bytes; {used} of the {budget}-byte budget are held by"
-            " pinned, leased or in-use revisions; raise the budget or unpin one"
-        )
-
-    def _eviction_candidates(self, exclude: tuple[str, str]) -> list[RevisionInfo]:
-        infos = [i for i in self.revisions() if (i.repo, i.commit) != exclude]
-        return sorted(
-            (i for i in infos if not i.pinned and not i.leases), key=lambda i: i.last_used
-        )
+        self.evictor.make_room(repo, commit, needed)
 
     def evict(self, repo: str, commit: str, force: bool = False) -> EvictResult:
-        with self.store.meta_lock():
-            return self._evict_locked(repo, commit, force)
-
-    def _evict_locked(self, repo: str, commit: str, force: bool) -> EvictResult:
-        if self.store.published(repo, commit) is None:
-            return EvictResult(False, 0, f"{repo}@{commit} is not published here")
-        state = self.store.read_state(repo, commit)
-        if state.leases:
-            holders = ", ".join(sorted(state.leases))
-            return EvictResult(False, 0, f"{repo}@{commit} is leased by {holders}")
-        if state.pinned and not force:
-            return EvictResult(False, 0, f"{repo}@{commit} is pinned (force to evict it anyway)")
-        rev_lock = self.store.revision_lock(repo, commit)
-        if not rev_lock.acquire(timeout_s=0):
-            return EvictResult(False, 0, f"{repo}@{commit} is being fetched or published")
-        try:
-            repo_lock = self.store.repo_lock(repo, shared=False)
-            if not repo_lock.acquire(timeout_s=0):
-                return EvictResult(False, 0, f"{repo} has a fetch in progress; try again later")
-            try:
-                freed = self.store.remove_revision(repo, commit)
-            finally:
-                repo_lock.release()
-        finally:
-            rev_lock.release()
-        return EvictResult(True, freed, f"evicted {repo}@{commit}, {freed} bytes freed")
+        return self.evictor.evict(repo, commit, force)
 
     def gc(self) -> int:
         """Evict LRU revisions until under budget, drop temps and blobs nobody owns; bytes freed."""
-        freed = 0
-        with self.store.meta_lock():
-            budget = self.cfg.budget_bytes
-            if budget is not None:
-                for info in self._eviction_candidates(exclude=("", "")):
-                    if self.store.used_bytes() <= budget:
-                        break
-                    freed += self._evict_locked(info.repo, info.commit, force=False).freed_bytes
-        return freed + self.store.sweep()
+        return self.evictor.gc()
 
-    # ---- pins, leases, listing
     def set_pin(
         self, repo: str, commit: str, pinned: bool, lease_holder: str = ""
     ) -> RevisionState:
-        with self.store.meta_lock():
-            state = self.store.read_state(repo, commit)
-            if lease_holder:
-                if pinned:
-                    state.leases[lease_holder] = time.time()
-                else:
-                    state.leases.pop(lease_holder, None)
-            else:
-                state.pinned = pinned
-            self.store.write_state(repo, commit, state)
-            return state
+        return self.evictor.set_pin(repo, commit, pinned, lease_holder)
 
     def state(self, repo: str, commit: str) -> RevisionState:
         return self.store.read_state(repo, commit)
 
     def revisions(self) -> list[RevisionInfo]:
-        infos = []
-        for repo, commit in self.store.iter_published():
-            pub = self.published(repo, commit)
-            if pub is None:
-                continue
-            state = self.store.read_state(repo, commit)
-            infos.append(
-                RevisionInfo(
-                    repo=repo,
-                    commit=commit,
-                    size_bytes=pub.manifest.total_bytes,
-                    pinned=state.pinned,
-                    leases=tuple(sorted(state.leases)),
-                    last_used=state.last_used,
-                    path=pub.path,
-                    manifest_digest=pub.manifest_digest,
-                )
-            )
-        return infos
+        return self.evictor.revisions()
 
     def verify(self, repo: str, commit: str) -> list[str]:
         """Re-hash a published revision; the problems found (empty: intact)."""

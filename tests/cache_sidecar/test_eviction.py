@@ -1,4 +1,4 @@
-"""Disk budget and eviction in cache.py: LRU order, pins and leases never evicted, no partial files."""
+"""Disk budget and eviction (eviction.py through WeightCache): LRU order, pins and leases never evicted, no partial files."""
 
 from __future__ import annotations
 
