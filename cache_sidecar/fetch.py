@@ -140,7 +140,12 @@ class _Hasher:
     def save_prefix(self, force: bool = False) -> None:
         # A hint for resume after a crash: bytes below it were written (then re-hashed on resume).
         if self.offset > self._saved and (force or self.offset - self._saved >= self._save_every):
-            self._prefix_file.write_text(str(self.offset))
+            # Fixed width, written in place: a kill at any moment leaves the old or the new value.
+            fd = os.open(self._prefix_file, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, f"{self.offset:020d}".encode(), 0)
+            finally:
+                os.close(fd)
             self._saved = self.offset
 
 

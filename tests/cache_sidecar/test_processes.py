@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,6 +23,14 @@ def _fetch(mirror: RangeMirror, model: str, vol: Path) -> subprocess.Popen[str]:
          "--cache-dir", str(vol), *FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def _recorded_prefix(vol: Path) -> int:
+    values = [0]
+    for p in (vol / ".weightcache" / "tmp").glob("*.prefix"):
+        with contextlib.suppress(ValueError, FileNotFoundError):
+            values.append(int(p.read_text() or 0))
+    return max(values)
 
 
 def _repo(tmp_path: Path) -> Path:
@@ -66,7 +75,10 @@ def test_kill_9_mid_fetch_then_restart_resumes(range_mirror: RangeMirror, tmp_pa
             assert time.monotonic() < deadline
             assert not snapshot.exists()  # nothing visible while fetching
             time.sleep(0.02)
-        time.sleep(0.3)  # let the client write what it received
+        # Kill once the client has recorded (hashed, written) most of what it received.
+        while _recorded_prefix(vol) < 1_500_000:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:
