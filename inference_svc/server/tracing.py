@@ -4,6 +4,7 @@ under Generate, a span per engine request with GenAI attributes and phase events
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -153,7 +154,7 @@ async def _traced(
     span = tracer.start_span(name, kind=trace.SpanKind.INTERNAL, attributes=attrs)
     queued_ns = time.time_ns()
     span.add_event("queued", timestamp=queued_ns)
-    first = True
+    first, done = True, False
     try:
         # Closing this generator early must close the engine stream too (that aborts it).
         async with contextlib.aclosing(outputs):  # type: ignore[type-var]
@@ -162,8 +163,16 @@ async def _traced(
                     first = False
                     span.add_event("first_token")
                 if out.finished:
+                    done = True
                     _finished(span, out, queued_ns)
                 yield out
+    except (asyncio.CancelledError, GeneratorExit):
+        # Client gone or deadline: the engine aborts it. Not an error of this server; gRPC's
+        # own cancellation ends the RPC span without a code, so this span says what happened.
+        if not done:
+            span.set_attribute("gen_ai.response.finish_reasons", ("aborted",))
+            span.add_event("aborted")
+        raise
     except Exception as e:  # refused (queue full, engine gone): the RPC span has the code
         span.record_exception(e)
         span.set_status(trace.StatusCode.ERROR, str(e))
