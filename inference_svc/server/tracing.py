@@ -57,8 +57,11 @@ class TracingConfig:
     @classmethod
     def from_env(cls, default_service_name: str, exporter: str | None = None) -> TracingConfig:
         """`exporter` (a flag) wins over OTEL_TRACES_EXPORTER; unset means none, not OTLP:
-        nothing is sent anywhere unless asked. OTEL_SERVICE_NAME names the service."""
+        nothing is sent anywhere unless asked. OTEL_SDK_DISABLED=true turns tracing off and
+        OTEL_SERVICE_NAME names the service."""
         name = exporter or os.environ.get("OTEL_TRACES_EXPORTER") or "none"
+        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            name = "none"
         return cls(
             exporter=name.strip().lower(),
             service_name=os.environ.get("OTEL_SERVICE_NAME") or default_service_name,
@@ -77,7 +80,7 @@ def _make_exporter(name: str) -> SpanExporter:
     return OTLPSpanExporter()  # type: ignore[no-any-return]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Tracing:
     """One server's TracerProvider (never the global one, so servers in one process are apart).
 

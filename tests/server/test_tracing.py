@@ -212,10 +212,24 @@ def test_config_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     # A flag wins over the environment.
     assert TracingConfig.from_env("inference-svc", "none").exporter == "none"
 
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert TracingConfig.from_env("inference-svc").exporter == "none"
+
     with pytest.raises(ValueError, match="traces exporter must be one of"):
         TracingConfig("jaeger")
     with pytest.raises(ValueError, match="--traces-exporter"):
         make_config(Path("/nonexistent"), traces_exporter="zipkin")
+
+
+def test_otlp_without_its_package_is_a_clear_error() -> None:
+    try:
+        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("the OTLP exporter is installed here")
+    with pytest.raises(ValueError, match="needs the opentelemetry-exporter-otlp-proto-grpc"):
+        Tracing.from_config(TracingConfig("otlp"))
 
 
 def test_console_exporter_prints_spans_with_the_service_name() -> None:
