@@ -63,8 +63,8 @@ def raw_transfer(url: str, commit: str, paths: list[str], workers: int) -> None:
         list(pool.map(one, paths))
 
 
-def run_sidecar(url: str, commit: str, out: Path) -> None:
-    cache = WeightCache(CacheConfig(cache_dir=out), HfMirrorSource(url), FetchConfig())
+def run_sidecar(url: str, commit: str, out: Path, fsync: bool = True) -> None:
+    cache = WeightCache(CacheConfig(cache_dir=out), HfMirrorSource(url), FetchConfig(fsync=fsync))
     cache.ensure(ModelRef(REPO, commit))
 
 
@@ -90,11 +90,15 @@ def bench_mirror(
         "raw_transfer": lambda _out: raw_transfer(url, commit, paths, workers=8),
         "snapshot_download": lambda out: run_snapshot_download(url, commit, out),
         "sidecar": lambda out: run_sidecar(url, commit, out),
+        # What durability costs: the same fetch without fsync before publishing each blob.
+        "sidecar_no_fsync": lambda out: run_sidecar(url, commit, out, fsync=False),
     }
     times: dict[str, list[float]] = {k: [] for k in tools}
     timed(tools["raw_transfer"], scratch)  # warm the server's page cache and code paths
     for rep in range(repeats):
-        order = list(tools)[rep % 3 :] + list(tools)[: rep % 3]  # rotate to spread drift
+        order = (
+            list(tools)[rep % len(tools) :] + list(tools)[: rep % len(tools)]
+        )  # rotate to spread drift
         for tool in order:
             times[tool].append(timed(tools[tool], scratch))
     results: dict[str, dict[str, object]] = {}

@@ -21,7 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cache_sidecar.cache import WeightCache
-from cache_sidecar.errors import Cancelled, ErrorCode, InvalidReference, SidecarError
+from cache_sidecar.errors import (
+    BranchNotAllowed,
+    Cancelled,
+    ErrorCode,
+    InvalidReference,
+    SidecarError,
+)
 from cache_sidecar.progress import RevisionProgress, RevisionView, State
 from cache_sidecar.refs import ModelRef
 from inference_svc.server.tracing import Tracing, TracingConfig
@@ -364,6 +370,11 @@ def _serving(ok: bool) -> int:
 
 def run_server(args: argparse.Namespace, cache: WeightCache) -> int:
     models = [ModelRef.parse(m, allow_branch=args.allow_branch) for m in args.model]
+    for ref in models:
+        if not ref.pinned and not ref.allow_branch:
+            raise BranchNotAllowed(
+                f"--model {ref}: {ref.revision!r} is not a 40-hex commit; pin one or pass --allow-branch"
+            )
     server = SidecarServer(cache, models)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

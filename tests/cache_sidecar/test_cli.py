@@ -85,3 +85,11 @@ def test_parse_size(text: str, expected: float) -> None:
 def test_parse_size_rejects_garbage() -> None:
     with pytest.raises(Exception, match="invalid size"):
         parse_size("ten gigs")
+
+
+def test_serve_refuses_a_branch_model_at_startup(tmp_path: Path) -> None:
+    out = _cli(
+        "serve", "--cache-dir", str(tmp_path), "--offline", "--port", "0", "--model", "org/x@main"
+    )
+    assert out.returncode == 1
+    assert "BRANCH_NOT_ALLOWED" in out.stderr and "--allow-branch" in out.stderr
