@@ -282,26 +282,27 @@ class FileDownload:
             for s in range(start, self.rf.size, cfg.chunk_bytes)
         ]
         lock = threading.Lock()
-        queue = iter(chunks)
+        queue = iter(chunks[1:])  # the first chunk is already open: its worker starts with it
         window = cfg.chunk_bytes * max(cfg.window_chunks, cfg.range_connections)
 
-        def worker(client: HttpClient, opened: Opened | None) -> None:
+        def worker(client: HttpClient, first_chunk: tuple[int, int] | None) -> None:
             try:
+                if first_chunk is not None:
+                    self._fetch_chunk(client, first_chunk, first)
                 while not self._stop.is_set():
                     with lock:
                         chunk = next(queue, None)
                     if chunk is None:
                         return
                     self.hasher.wait_room(chunk[0], window, self._stop)
-                    self._fetch_chunk(client, chunk, opened)
-                    opened = None
+                    self._fetch_chunk(client, chunk, None)
             except BaseException as exc:
                 self._errors.append(exc)
                 self._stop.set()
             finally:
                 client.close()
 
-        threads = [threading.Thread(target=worker, args=(first_client, first), daemon=True)]
+        threads = [threading.Thread(target=worker, args=(first_client, chunks[0]), daemon=True)]
         for _ in range(min(cfg.range_connections, len(chunks)) - 1):
             threads.append(
                 threading.Thread(
