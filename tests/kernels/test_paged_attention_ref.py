@@ -92,3 +92,74 @@ def test_bf16_cache_matches_fp32_closely() -> None:
         write_kv(cache, k, v, meta.slot_mapping)
         outs.append(paged_attention(q.to(dtype), cache, meta, 0.25).float())
     torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
+
+
+def _scattered_case(
+    seqs: list[tuple[int, int]], heads: int, kv_heads: int, block_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """q, a cache with each context on shuffled blocks, the step's metadata and the expected out.
+
+    Every slot no context owns holds NaN: a reader that lets padding into the softmax or the
+    weighted sum of V returns NaN. Expected: each sequence on its own, dense, in float64.
+    """
+    g = torch.Generator().manual_seed(seed)
+    d = 8
+    blocks_per_seq = [-(-ctx // block_size) for ctx, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + 2
+    kv_cache = torch.full((2, num_blocks, block_size, kv_heads, d), float("nan"))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.int64)
+    qs, slots, expected = [], [], []
+    for i, ((ctx, n_new), nb) in enumerate(zip(seqs, blocks_per_seq, strict=True)):
+        ids = torch.tensor([perm.pop() for _ in range(nb)])
+        tables[i, :nb] = ids
+        pos = torch.arange(ctx)
+        slot = ids[pos // block_size] * block_size + pos % block_size
+        k, v = torch.randn(2, ctx, kv_heads, d, generator=g)
+        write_kv(kv_cache, k, v, slot)
+        q = torch.randn(n_new, heads, d, generator=g)
+        qs.append(q)
+        slots.append(slot[ctx - n_new :])
+        expected.append(dense_attention(q, k, v, d**-0.5))
+    qsl = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    qsl[1:] = torch.tensor([n for _, n in seqs]).cumsum(0)
+    meta = AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=torch.tensor([ctx for ctx, _ in seqs]),
+        block_tables=tables,
+        slot_mapping=torch.cat(slots),
+        block_size=block_size,
+    )
+    return torch.cat(qs), kv_cache, meta, torch.cat(expected)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_batched_decodes_match_each_sequence_alone(block_size: int, group: int) -> None:
+    # Lengths on both sides of block boundaries, so the padded tables differ in width.
+    lens = [1, 3, 16, 17, 33, 5, 40]
+    q, cache, meta, expected = _scattered_case(
+        [(n, 1) for n in lens], heads=2 * group, kv_heads=2, block_size=block_size, seed=group
+    )
+    out = paged_attention(q, cache, meta, 8**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_mixed_decodes_and_prefill_chunks(group: int) -> None:
+    # Decodes between prefills (fresh, after a cached prefix) and a sequence with no new token.
+    seqs = [(9, 1), (12, 12), (5, 1), (20, 3), (6, 0), (1, 1), (30, 7), (23, 1)]
+    q, cache, meta, expected = _scattered_case(
+        seqs, heads=3 * group, kv_heads=3, block_size=4, seed=10 + group
+    )
+    out = paged_attention(q, cache, meta, 8**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_decodes_in_bf16_match_fp32_closely() -> None:
+    q, cache, meta, expected = _scattered_case(
+        [(n, 1) for n in (7, 18, 2, 9)], heads=4, kv_heads=2, block_size=4, seed=3
+    )
+    out = paged_attention(q.bfloat16(), cache.bfloat16(), meta, 8**-0.5)
+    assert out.dtype is torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
