@@ -38,8 +38,10 @@ format: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m protos.generate
 
+# Each benchmark prints its table with ratios and writes JSON under benchmarks/results/.
+BENCHES := bench_fetch bench_load bench_engine bench_kernels
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run_all
+	for b in $(BENCHES); do $(BIN)/python -m benchmarks.$$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
