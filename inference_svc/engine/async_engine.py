@@ -53,7 +53,11 @@ class AsyncEngine:
                 for command in commands:
                     command()
                 if self.engine.has_unfinished():
-                    for output in self.engine.step():
+                    planned = self.engine.schedule()
+                    # Admissions go out before the model runs: clients hear of them a step sooner.
+                    for output in planned.outputs:
+                        self._deliver(output)
+                    for output in self.engine.run(planned):
                         self._deliver(output)
                 self._stats = self.engine.stats()
         except BaseException as exc:  # report to every waiter, then stop
@@ -90,6 +94,8 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and stream its outputs; the last has `finished` set.
 
+        The first is the admission (`admitted`, no tokens, usage with the prompt's cached tokens),
+        sent when the request is first scheduled, before that step runs; see `RequestOutput`.
         Admission errors (queue full, prompt too long, bad ids) are raised from the first
         `__anext__`. Closing the iterator early (client gone) aborts the request.
         """

@@ -27,7 +27,7 @@ from inference_svc.engine.planner import (
 )
 from inference_svc.engine.request import Request, StopReason
 from inference_svc.engine.sampling_params import SamplingParams
-from inference_svc.engine.scheduler import Scheduler, SchedulerConfig
+from inference_svc.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,18 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
 
 
+@dataclass(frozen=True)
+class PlannedStep:
+    """A scheduled step before the model runs, and the outputs already known by then.
+
+    `outputs`: admissions of requests scheduled for the first time, and requests the scheduler
+    finished itself (deadlines). `AsyncEngine` hands them out before running the step.
+    """
+
+    scheduler_output: SchedulerOutput
+    outputs: list[RequestOutput]
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -96,6 +108,7 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, kv)
         self.runner = ModelRunner(executor, config.block_size, device)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._admitted: set[str] = set()  # unfinished requests whose admission went out
         self._generated = 0
         self._steps = 0
         if config.warmup:
@@ -213,8 +226,26 @@ class Engine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run, postprocess: admissions first, then this step's tokens."""
+        planned = self.schedule()
+        return planned.outputs + self.run(planned)
+
+    def schedule(self) -> PlannedStep:
+        """The first half of `step`: pick the work; admit requests scheduled for the first time."""
         out = self.scheduler.schedule()
         outputs = [self._output(r, [], "") for r in out.finished]
+        for s in out.scheduled:
+            request = s.request
+            # Once per request: a request resumed after preemption is not admitted again.
+            if request.request_id not in self._admitted:
+                self._admitted.add(request.request_id)
+                outputs.append(self._output(request, [], "", admitted=True))
+        return PlannedStep(out, outputs)
+
+    def run(self, planned: PlannedStep) -> list[RequestOutput]:
+        """The second half of `step`: run the model on a planned step and sample its tokens."""
+        out = planned.scheduler_output
+        outputs: list[RequestOutput] = []
         if not out.scheduled:
             return outputs
         sampled, result = self.runner.execute(out)
@@ -254,9 +285,11 @@ class Engine:
         text: str,
         logprobs: list[float] | None = None,
         top: list[list[tuple[int, float]]] | None = None,
+        admitted: bool = False,
     ) -> RequestOutput:
         timing = None
         if request.is_finished:
+            self._admitted.discard(request.request_id)
             detok = self._detok.pop(request.request_id, None)
             if detok is not None and request.stop_reason is not StopReason.STOP_STRING:
                 text += detok.flush()
@@ -287,6 +320,7 @@ class Engine:
             logprobs=logprobs,
             top_logprobs=top,
             timing=timing,
+            admitted=admitted,
         )
 
     def stats(self) -> EngineStats:

@@ -25,7 +25,13 @@ class Timing:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request: the new tokens and text, and, at the end, why."""
+    """What one step produced for one request: the new tokens and text, and, at the end, why.
+
+    A request's first output is its admission (`admitted`, no tokens), sent when the scheduler
+    first gives it a step, before the model runs: its usage then has the prompt tokens and the
+    prompt tokens the prefix cache served. A request that ends before it is ever scheduled
+    (aborted, or its time limit passed while waiting) gets only its final output.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -37,6 +43,7 @@ class RequestOutput:
     logprobs: list[float] | None = None  # one per new token, when asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
     timing: Timing | None = None  # set on the final output
+    admitted: bool = False  # the admission output: no tokens, not finished
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         accepted = False
         async for out in self.state.stream(gen, request.request_id, SERVICE):
             if not accepted:
+                # Normally the engine's admission output: the request got its first step and the
+                # prefix cache was looked up, so cached_prompt_tokens is known; the step has not
+                # run yet. A request ended before it was ever scheduled (time limit in the queue)
+                # has only its final output; Accepted then reports no cached tokens.
                 accepted = True
                 yield pb.GenerateEvent(
                     accepted=pb.Accepted(
@@ -101,6 +105,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         cached_prompt_tokens=out.usage.cached_prompt_tokens,
                     )
                 )
+            if out.admitted:
+                continue
             text = out.new_text
             if out.finished and gen.include_stop_text and isinstance(out.stop_detail, str):
                 text += out.stop_detail

@@ -10,7 +10,7 @@ import pytest
 
 from inference_svc.engine.async_engine import AsyncEngine, EngineDeadError
 from inference_svc.engine.engine import Engine, EngineConfig
-from inference_svc.engine.outputs import RequestOutput
+from inference_svc.engine.outputs import RequestOutput, Usage
 from inference_svc.engine.planner import ModelShape, kv_bytes_per_token
 from inference_svc.engine.request import StopReason
 from inference_svc.engine.sampling_params import SamplingParams
@@ -131,7 +131,7 @@ def test_many_streams_with_random_cancellation(
         tokens: list[int] = []
         async for out in stream:
             tokens.extend(out.new_token_ids)
-            if i % 3 == 0 and not out.finished:
+            if i % 3 == 0 and out.new_token_ids and not out.finished:
                 await stream.aclose()  # type: ignore[attr-defined]
                 return None
         return tokens
@@ -152,3 +152,87 @@ def test_many_streams_with_random_cancellation(
     assert stats.num_finished == 24 and stats.running == 0 and stats.waiting == 0
     kv = async_engine.engine.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks
+
+
+def _engine(executor: Any, num_blocks: int, **kw: Any) -> Engine:
+    per_token = kv_bytes_per_token(ModelShape.from_model_config(executor.config), 1, "float32")
+    options: dict[str, Any] = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 128,
+        **kw,
+    }
+    config = EngineConfig(block_size=4, kv_cache_memory=num_blocks * 4 * per_token, **options)
+    return Engine(executor, None, config)
+
+
+def test_admission_is_planned_before_the_model_runs(executor: Any) -> None:
+    """`schedule` admits a request without running the model; `step` puts the admission first."""
+    engine = _engine(executor, 256)
+    engine.add_request(list(range(4, 104)), SamplingParams(max_tokens=2), request_id="long")
+    steps = engine.stats().num_steps
+    planned = engine.schedule()
+    (admission,) = planned.outputs
+    assert admission.admitted and admission.request_id == "long"
+    assert admission.new_token_ids == [] and not admission.finished
+    assert (admission.usage.prompt_tokens, admission.usage.completion_tokens) == (100, 0)
+    assert engine.stats().num_steps == steps  # nothing ran yet
+    assert engine.run(planned) == []  # 64 of 100 prompt tokens: a chunk, nothing sampled
+    outputs = engine.step()  # the rest of the prompt and the first token; no second admission
+    assert [(o.admitted, len(o.new_token_ids)) for o in outputs] == [(False, 1)]
+    while engine.has_unfinished():
+        assert not any(o.admitted for o in engine.step())
+
+
+def test_admission_streams_first_with_prompt_and_cached_tokens(executor: Any) -> None:
+    engine = AsyncEngine(_engine(executor, 256))
+    prefix = list(range(100, 116))  # four full blocks of 4
+    params = SamplingParams(max_tokens=3, temperature=0)
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        first = await _collect(engine.submit([*prefix, 7, 8, 9, 10, 11], params, "first"))
+        second = await _collect(engine.submit([*prefix, 20, 21, 22], params, "second"))
+        return first, second
+
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        _stop(engine)
+    for outs, prompt_len, cached in ((first, 21, 0), (second, 19, 16)):
+        head, rest = outs[0], outs[1:]
+        assert head.admitted and head.new_token_ids == [] and not head.finished
+        assert head.usage == Usage(prompt_len, 0, cached)
+        assert not any(o.admitted for o in rest) and all(o.new_token_ids for o in rest)
+        assert rest[-1].finished and rest[-1].usage == Usage(prompt_len, 3, cached)
+
+
+def test_preempted_requests_are_admitted_once(
+    executor: Any,
+    hf_greedy: Callable[[list[int], int], list[int]],
+    random_prompts: Callable[..., list[list[int]]],
+) -> None:
+    # 30 blocks of 4 cannot hold 6 sequences of up to ~60 tokens: some are preempted and resumed.
+    engine = AsyncEngine(_engine(executor, 30, max_model_len=96))
+    prompts = random_prompts(6, seed=8, lo=10, hi=40)
+    params = SamplingParams(max_tokens=24, temperature=0)
+
+    async def main() -> list[list[RequestOutput]]:
+        streams = [engine.submit(p, params, f"p{i}") for i, p in enumerate(prompts)]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    try:
+        results = asyncio.run(main())
+        assert engine.stats().num_preemptions > 0
+    finally:
+        _stop(engine)
+    for prompt, outs in zip(prompts, results, strict=True):
+        assert [o.admitted for o in outs] == [True] + [False] * (len(outs) - 1)
+        assert [t for o in outs for t in o.new_token_ids] == hf_greedy(prompt, 24)
+
+
+def _stop(engine: AsyncEngine) -> None:
+    """Stop the thread only: shutting the engine down would shut the shared executor."""
+    with engine._cv:
+        engine._stopping = True
+        engine._cv.notify()
+    engine._thread.join(10)

@@ -58,6 +58,27 @@ def test_stream_order_and_greedy_parity_with_offline_llm(
     assert 0 <= t.queued_s <= t.time_to_first_token_s and t.decode_s >= 0
 
 
+def test_accepted_reports_prompt_and_cached_prompt_tokens(stub: pb_grpc.InferenceStub) -> None:
+    """Accepted leads each stream; the second of two prompts sharing a prefix hears, in its
+    Accepted, how much of it the prefix cache serves (whole blocks)."""
+    block = stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).kv_block_size
+    prefix = [(37 * i) % 400 + 50 for i in range(3 * block)]  # ids no other test sends
+    results = []
+    for tail in ([11, 12], [21, 22, 23]):
+        req = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prefix + tail), stopping=pb.StoppingParams(max_new_tokens=3)
+        )
+        events = list(stub.Generate(req, timeout=60))
+        kinds = _kinds(events)
+        assert kinds[0] == "accepted" and kinds[-1] == "finished"
+        assert set(kinds[1:-1]) == {"token"} and all(e.token.token_ids for e in events[1:-1])
+        accepted, usage = events[0].accepted, events[-1].finished.usage
+        assert accepted.prompt_tokens == usage.prompt_tokens == len(prefix) + len(tail)
+        assert accepted.cached_prompt_tokens == usage.cached_prompt_tokens
+        results.append(accepted.cached_prompt_tokens)
+    assert results == [0, 3 * block]
+
+
 def test_token_ids_and_chat_prompts(
     stub: pb_grpc.InferenceStub, offline: LLM, model_dir: Path
 ) -> None:
