@@ -82,6 +82,7 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has biases on q, k and v
+    o_bias: bool = False  # Llama/Qwen3 `attention_bias` also biases o_proj
     qk_norm: bool = False  # Qwen3 normalises q and k per head
 
     def __post_init__(self) -> None:
@@ -101,6 +102,12 @@ class ModelShape:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             model_type = str(cfg.get("model_type", ""))
+            # As transformers: Llama/Qwen3 `attention_bias` covers q/k/v and o, Qwen2 always
+            # biases q/k/v only, Mistral never.
+            attention_bias = bool(cfg.get("attention_bias", False)) and model_type in (
+                "llama",
+                "qwen3",
+            )
             return cls(
                 num_layers=int(cfg["num_hidden_layers"]),
                 hidden_size=hidden,
@@ -111,7 +118,8 @@ class ModelShape:
                 vocab_size=int(cfg["vocab_size"]),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qkv_bias=model_type == "qwen2" or attention_bias,
+                o_bias=attention_bias,
                 qk_norm=model_type == "qwen3",
             )
         except KeyError as exc:
@@ -131,6 +139,7 @@ class ModelShape:
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(cfg, "qkv_bias", False)),
+            o_bias=bool(getattr(cfg, "o_bias", False)),
             qk_norm=bool(getattr(cfg, "qk_norm", False)),
         )
 
@@ -168,6 +177,8 @@ class ModelShape:
         attn = h * q_heads * d + 2 * h * kv_heads * d + q_heads * d * h
         if self.qkv_bias:
             attn += q_heads * d + 2 * kv_heads * d
+        if self.o_bias:
+            attn += h  # replicated: every rank adds it once, after the all-reduce
         if self.qk_norm:
             attn += 2 * d
         mlp = 3 * h * inter

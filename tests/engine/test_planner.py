@@ -73,6 +73,61 @@ def test_tp_weight_split_by_hand() -> None:
     assert weight_bytes_per_rank(shape, 2, "bf16") == 2 * expected
 
 
+def test_attention_bias_counts_q_k_v_and_o_by_hand() -> None:
+    h, layers = 4096, 32
+    biased = ModelShape.from_hf_config({**LLAMA2_7B, "attention_bias": True})
+    assert biased.qkv_bias and biased.o_bias
+    # q, k, v and o each add a bias of hidden_size per layer.
+    assert biased.num_parameters() == 6_738_415_616 + layers * 4 * h
+    # TP=2 on the GQA model: q bias 16 heads, k/v 4 heads each; o's bias is replicated whole.
+    gqa = ModelShape.from_hf_config({**LLAMA3_8B, "attention_bias": True})
+    plain = ModelShape.from_hf_config(LLAMA3_8B)
+    extra = layers * (16 * 128 + 2 * 4 * 128 + h)
+    assert gqa.weight_elements_per_rank(2) == plain.weight_elements_per_rank(2) + extra
+    # Qwen2 biases q/k/v only; Mistral ignores attention_bias, as transformers does.
+    qwen2 = ModelShape.from_hf_config({**LLAMA2_7B, "model_type": "qwen2"})
+    assert (qwen2.qkv_bias, qwen2.o_bias) == (True, False)
+    assert qwen2.num_parameters() == 6_738_415_616 + layers * 3 * h
+    mistral = ModelShape.from_hf_config(
+        {**LLAMA2_7B, "model_type": "mistral", "attention_bias": True}
+    )
+    assert mistral.num_parameters() == 6_738_415_616
+
+
+@pytest.mark.parametrize(
+    ("family", "attention_bias"),
+    [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", True), ("mistral", False)],
+)
+def test_parameter_count_matches_transformers(family: str, attention_bias: bool) -> None:
+    """The count transformers gives for the same config, built on the meta device."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[family]
+    kwargs = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        vocab_size=300,
+        tie_word_embeddings=False,
+    )
+    if family in ("llama", "qwen3"):
+        kwargs["attention_bias"] = attention_bias
+    config = config_cls(**kwargs)
+    with torch.device("meta"):
+        model = model_cls(config)
+    shape = ModelShape.from_hf_config(config.to_dict())
+    assert shape.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
 def _inputs(**kw: object) -> PlanInputs:
     base: dict[str, object] = dict(
         shape=ModelShape.from_hf_config(LLAMA2_7B),
