@@ -6,12 +6,10 @@ Client cancellation and deadlines end the handler's task; the engine request is 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 
-from inference_svc.engine.async_engine import EngineDeadError
 from inference_svc.engine.outputs import RequestOutput
 from inference_svc.engine.request import StopReason
 from inference_svc.server.runtime import ServingState, StatusError
@@ -122,20 +120,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        remaining = context.time_remaining()
-        try:
-            # Our own timer as well as gRPC's: the engine request ends with the deadline even
-            # if the transport notices late.
-            async with asyncio.timeout(remaining):
-                async for event in self._events(request):
-                    yield event
-        except StatusError as e:
-            self.state.refused(e.code, SERVICE)
-            await context.abort(e.code, e.message)
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {e}")
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        async for event in self.state.relay(self._events(request), context, SERVICE):
+            yield event
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext

@@ -11,7 +11,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol, TypeVar, cast
 
 import grpc
 
@@ -20,6 +20,39 @@ from inference_svc.engine.outputs import RequestOutput
 from inference_svc.engine.scheduler import QueueFullError, RequestTooLongError
 from inference_svc.server.telemetry import Telemetry
 from inference_svc.server.validation import GenerationInput, ModelLimits, PromptTokenizer
+
+T = TypeVar("T")
+
+
+@contextlib.asynccontextmanager
+async def deadline(seconds: float | None) -> AsyncIterator[None]:
+    """Raise TimeoutError in the body after `seconds` (None: no limit).
+
+    `asyncio.timeout` as a plain cancel-and-convert, so it also runs on Python 3.10.
+    """
+    if seconds is None:
+        yield
+        return
+    task = asyncio.current_task()
+    assert task is not None, "deadline() needs a running task"
+    fired = False
+
+    def fire() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    handle = asyncio.get_running_loop().call_later(max(0.0, seconds), fire)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        if hasattr(task, "uncancel"):  # 3.11+: our cancel must not count as an outside one
+            task.uncancel()
+        raise TimeoutError from None
+    finally:
+        handle.cancel()
 
 
 class StatusError(Exception):
@@ -103,6 +136,26 @@ class ServingState:
     def refused(self, code: grpc.StatusCode, api: str) -> None:
         if self.telemetry is not None:
             self.telemetry.refusal(code.name, api)
+
+    async def relay(
+        self, messages: AsyncIterator[T], context: grpc.aio.ServicerContext, api: str
+    ) -> AsyncIterator[T]:
+        """A streaming handler's messages, ended at the call's deadline, failures as status codes.
+
+        Our own timer as well as gRPC's: the engine request ends with the deadline even if the
+        transport notices late.
+        """
+        try:
+            async with deadline(context.time_remaining()):
+                async for message in messages:
+                    yield message
+        except StatusError as e:
+            self.refused(e.code, api)
+            await context.abort(e.code, e.message)
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {e}")
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
 
     async def stream(
         self, gen: GenerationInput, request_id: str = "", api: str = "llm.v1.Inference"

@@ -167,17 +167,8 @@ class GenerationServicer(tg_grpc.GenerationServiceServicer):
     async def GenerateStream(
         self, request: tg.SingleGenerationRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tg.GenerationResponse]:
-        try:
-            async with asyncio.timeout(context.time_remaining()):
-                async for msg in self._stream(request):
-                    yield msg
-        except StatusError as e:
-            self.state.refused(e.code, SERVICE)
-            await context.abort(e.code, e.message)
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {e}")
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        async for msg in self.state.relay(self._stream(request), context, SERVICE):
+            yield msg
 
     async def Tokenize(
         self, request: tg.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
