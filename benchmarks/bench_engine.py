@@ -5,7 +5,7 @@ first token and inter-token latency p50/p99, against a bf16 matmul rate measured
 Also: sequences admitted in a fixed KV budget (paged vs contiguous max-length), and time to first
 token with a 1k-token shared prefix, cache hit vs miss. Prints a table, writes JSON and a PNG.
 
-    python benchmarks/bench_engine.py [--device cuda] [--output-len 128] [--quick]
+    python -m benchmarks.bench_engine [--device cuda] [--output-len 128] [--repeats 2]
 """
 
 from __future__ import annotations
