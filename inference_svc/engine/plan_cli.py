@@ -39,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--utilization", type=float, default=0.9, help="fraction of --memory to use (default 0.9)"
     )
     parser.add_argument(
-        "--dtype", default="float16", help="weight dtype: float32, float16, bfloat16, int8, int4"
+        "--dtype",
+        default=None,
+        help="weight dtype: float32, float16, bfloat16, int8, int4 (default: the config's "
+        "dtype / torch_dtype, float16 if it names none)",
     )
     parser.add_argument(
         "--kv-dtype", default=None, help="KV cache dtype (default: --dtype, float16 if quantized)"
@@ -68,6 +71,13 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _config_dtype(path: Path) -> str:
+    """The checkpoint's own dtype, as transformers writes it (`dtype`, formerly `torch_dtype`)."""
+    config_file = path / "config.json" if path.is_dir() else path
+    raw = json.loads(config_file.read_text())
+    return str(raw.get("dtype") or raw.get("torch_dtype") or "float16")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -78,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     shape = ModelShape.from_config_file(args.config)
-    dtype = normalize_dtype(args.dtype)
+    dtype = normalize_dtype(args.dtype or _config_dtype(args.config))
     kv_dtype = normalize_dtype(
         args.kv_dtype or (dtype if dtype in ("float32", "float16", "bfloat16") else "float16")
     )

@@ -233,3 +233,29 @@ def test_inference_svc_plan_subcommand(tmp_path: Path, capsys: pytest.CaptureFix
     assert figures["weight_bytes_per_rank"] == 13_476_831_232
     assert figures["kv_bytes_per_token"] == 524_288
     assert figures["num_parameters"] == 6_738_415_616
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("dtype", "bfloat16", "bfloat16"),
+        ("torch_dtype", "float32", "float32"),
+        (None, None, "float16"),
+    ],
+)
+def test_cli_dtype_defaults_to_the_checkpoints(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    key: str | None,
+    value: str | None,
+    expected: str,
+) -> None:
+    config = {k: v for k, v in LLAMA2_7B.items() if k not in ("dtype", "torch_dtype")}
+    if key is not None:
+        config[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc, out, _ = _cli(["--config", str(tmp_path), "--memory", "80GB", "--json"], capsys)
+    figures = json.loads(out)
+    assert rc == 0 and figures["weight_dtype"] == expected
+    shape = ModelShape.from_hf_config(config)
+    assert figures["weight_bytes_per_rank"] == weight_bytes_per_rank(shape, 1, expected)
