@@ -57,6 +57,12 @@ def read_manifest(model_dir: str | Path) -> dict[str, object]:
         raise PreshardError(path, f"not a {FORMAT} manifest")
     if not isinstance(manifest.get("tp_size"), int) or not isinstance(manifest.get("ranks"), list):
         raise PreshardError(path, "manifest needs an integer tp_size and a list of ranks")
+    ranks = manifest["ranks"]
+    if len(ranks) != manifest["tp_size"] or not all(
+        isinstance(r, str) and r not in ("", ".", "..") and Path(r).name == r for r in ranks
+    ):
+        # Each rank names a directory inside this one: never a path out of it.
+        raise PreshardError(path, f"ranks {ranks!r} are not tp_size plain directory names")
     return manifest
 
 
@@ -74,14 +80,20 @@ def open_presharded(model_dir: Path, model: CausalLM) -> tuple[Checkpoint, list[
     assert isinstance(ranks, list)
     rank_dir = model_dir / str(ranks[tp.rank])
     ckpt = Checkpoint(rank_dir)
-    full_shapes = json.loads(ckpt.files[0].metadata.get("full_shapes", "{}"))
+    try:
+        full_shapes = json.loads(ckpt.files[0].metadata.get("full_shapes", "{}"))
+    except json.JSONDecodeError as e:
+        raise PreshardError(ckpt.files[0].path, f"full_shapes is not JSON ({e})") from None
+    if not isinstance(full_shapes, dict):
+        raise PreshardError(ckpt.files[0].path, "full_shapes must map tensor names to shapes")
     plans = []
     for name in ckpt.names:
         info = ckpt.info(name)
-        if name not in full_shapes:
+        full = full_shapes.get(name)
+        if not isinstance(full, list) or not all(isinstance(d, int) for d in full):
             raise PreshardError(ckpt.file_of(name).path, "no full shape recorded", name)
         try:
-            plan = plan_tensor(name, tuple(full_shapes[name]), model.config, tp.size, tp.rank)
+            plan = plan_tensor(name, tuple(full), model.config, tp.size, tp.rank)
         except TensorPlanError as e:
             raise PreshardError(ckpt.file_of(name).path, str(e), name) from None
         if plan is None:

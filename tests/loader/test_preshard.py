@@ -4,10 +4,12 @@ another TP size is refused."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from inference_svc.cli import main
 from inference_svc.loader.checkpoint import Checkpoint
@@ -107,3 +109,35 @@ def test_revision_is_the_snapshot_commit_when_there_is_one(tmp_path: Path) -> No
     out = tmp_path / "out"
     assert main(["preshard", str(snap), "--tp", "1", "--out", str(out)]) == 0
     assert json.loads((out / MANIFEST).read_text())["source_revision"] == "ab" * 20
+
+
+@pytest.mark.parametrize(
+    "ranks", [["rank-0"], ["rank-0", "../rank-1"], ["rank-0", "/tmp"], ["rank-0", 1]]
+)
+def test_manifest_ranks_must_name_tp_size_directories_inside_it(
+    presharded: tuple[Path, Path], tmp_path: Path, ranks: list[object]
+) -> None:
+    _, out = presharded
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    manifest = json.loads((bad / MANIFEST).read_text())
+    (bad / MANIFEST).write_text(json.dumps({**manifest, "ranks": ranks}))
+    cfg = ModelConfig.from_dir(bad)
+    with pytest.raises(PreshardError, match="plain directory names"):
+        open_presharded(bad, CausalLM(cfg, TPGroup(1, 2), torch.float32))
+
+
+@pytest.mark.parametrize("full_shapes", ["not json", "[1, 2]", '{"model.norm.weight": "64"}'])
+def test_malformed_full_shapes_are_a_preshard_error(
+    presharded: tuple[Path, Path], tmp_path: Path, full_shapes: str
+) -> None:
+    _, out = presharded
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    rank_file = bad / "rank-0" / "model.safetensors"
+    tensors = load_file(rank_file)
+    metadata = Checkpoint(bad / "rank-0").files[0].metadata
+    save_file(tensors, rank_file, metadata={**metadata, "full_shapes": full_shapes})
+    cfg = ModelConfig.from_dir(bad)
+    with pytest.raises(PreshardError, match=r"full_shapes|full shape"):
+        open_presharded(bad, CausalLM(cfg, TPGroup(0, 2), torch.float32))
