@@ -17,6 +17,7 @@ from cache_sidecar.sources.base import HttpTarget
 
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
+_CREDENTIALS = {"authorization", "cookie", "proxy-authorization"}
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,10 @@ class HttpClient:
     def open(self, target: HttpTarget, start: int, end: int | None, what: str) -> Opened:
         """GET bytes [start, end] (inclusive; end None = to the end of the file)."""
         url = target.url
+        origin = urlsplit(url)[:2]
+        sent = dict(target.headers)
         for _ in range(6):
-            headers = dict(target.headers)
+            headers = dict(sent)
             headers["Accept-Encoding"] = "identity"  # sizes and hashes are of the raw bytes
             if start > 0 or end is not None:
                 headers["Range"] = f"bytes={start}-{'' if end is None else end}"
@@ -60,6 +63,10 @@ class HttpClient:
                 if not location:
                     raise SidecarError(f"{what}: redirect without a Location")
                 url = urljoin(url, location)
+                if urlsplit(url)[:2] != origin:
+                    # The token is for the mirror: a CDN or signed-URL host must never see it
+                    # (and S3-style signed URLs refuse a second auth mechanism).
+                    sent = {k: v for k, v in sent.items() if k.lower() not in _CREDENTIALS}
                 continue
             return self._check(resp, start, what, parts.scheme, parts.netloc)
         raise SidecarError(f"{what}: too many redirects")
