@@ -186,20 +186,21 @@ class WeightCache:
             if pub is not None:
                 self.store.touch(repo, commit)
                 return pub
+            files = self._list_files(repo, commit, progress)
+            # Before the shared repo lock: evicting an older revision of this same repo needs the
+            # repo lock exclusively, which our own shared hold would refuse.
+            self._make_room(repo, commit, files)
             repo_lock = self.store.repo_lock(repo, shared=True)
             repo_lock.acquire(cancel=cancel)
             try:
-                return self._fetch_and_publish(ref, commit, progress, cancel)
+                return self._fetch_and_publish(ref, commit, files, progress, cancel)
             finally:
                 repo_lock.release()
         finally:
             lock.release()
 
-    def _fetch_and_publish(
-        self, ref: ModelRef, commit: str, progress: RevisionProgress, cancel: threading.Event
-    ) -> Published:
+    def _list_files(self, repo: str, commit: str, progress: RevisionProgress) -> list[RemoteFile]:
         assert self.source is not None
-        repo = ref.repo
         # A cheap, bounded call first: huggingface_hub retries tree listings on its own for ~30s,
         # so an unreachable mirror or an unknown commit is reported from here instead.
         self.source.resolve(repo, commit)
@@ -210,7 +211,18 @@ class WeightCache:
         progress.update(
             state=State.FETCHING, error_code=ErrorCode.ERROR_CODE_UNSPECIFIED, error_message=""
         )
-        self._make_room(repo, commit, files)
+        return files
+
+    def _fetch_and_publish(
+        self,
+        ref: ModelRef,
+        commit: str,
+        files: list[RemoteFile],
+        progress: RevisionProgress,
+        cancel: threading.Event,
+    ) -> Published:
+        assert self.source is not None
+        repo = ref.repo
         digests = self._fetch_all(repo, commit, files, progress, cancel)
         progress.update(state=State.VERIFYING)
         for f in files:
@@ -355,13 +367,23 @@ class WeightCache:
 
     # ---- budget and eviction
     def _make_room(self, repo: str, commit: str, files: list[RemoteFile]) -> None:
-        needed = sum(f.size for f in files if not self.store.has_blob(repo, f.blob_name))
+        def missing() -> int:
+            return sum(f.size for f in files if not self.store.has_blob(repo, f.blob_name))
+
+        needed = missing()
         free = shutil.disk_usage(self.store.root).free
         if needed > free:
             raise DiskFull(
                 f"{repo}@{commit} needs {needed} more bytes, the cache volume has {free} free"
             )
-        self.evictor.make_room(repo, commit, needed)
+        # Evicting a revision that shares blobs with this one deletes them, so more is missing
+        # afterwards; repeat while the count grew.
+        while True:
+            self.evictor.make_room(repo, commit, needed)
+            now_missing = missing()
+            if now_missing <= needed:
+                return
+            needed = now_missing
 
     def evict(self, repo: str, commit: str, force: bool = False) -> EvictResult:
         return self.evictor.evict(repo, commit, force)

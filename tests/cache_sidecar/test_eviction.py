@@ -94,6 +94,21 @@ def test_blobs_shared_by_two_revisions_survive_evicting_one(
     assert cache.verify("org/s", second) == []
 
 
+def test_a_new_commit_of_the_same_repo_evicts_the_old_one(
+    range_mirror: RangeMirror, tmp_path: Path
+) -> None:
+    # The fetch of the new commit holds its repo lock shared; evicting the old commit of that
+    # repo needs it exclusively, so room must be made before the fetch takes it.
+    first = range_mirror.publish("org/s", small_repo(tmp_path / "s1"))
+    second = range_mirror.publish("org/s", small_repo(tmp_path / "s2"))  # new weights
+    cache = make_cache(tmp_path / "vol", range_mirror.url, budget_bytes=int(1.5 * REPO_BYTES))
+    cache.ensure(ModelRef("org/s", first))
+    cache.ensure(ModelRef("org/s", second))
+    assert [i.commit for i in cache.revisions()] == [second]
+    assert cache.verify("org/s", second) == []
+    assert cache.store.used_bytes() <= 1.5 * REPO_BYTES
+
+
 def test_gc_evicts_down_to_the_budget(range_mirror: RangeMirror, tmp_path: Path) -> None:
     a, b = (_publish(range_mirror, tmp_path, n) for n in "ab")
     make_cache(tmp_path / "vol", range_mirror.url).ensure(a)
