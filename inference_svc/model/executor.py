@@ -19,7 +19,7 @@ from inference_svc.loader.weights import LoadReport
 from inference_svc.model.attention import AttentionMetadata
 from inference_svc.model.config import ModelConfig
 from inference_svc.model.parallel import TPGroup
-from inference_svc.model.rank import RankModel
+from inference_svc.model.rank import RankModel, check_kv_cache_args, check_profile_args
 from inference_svc.model.tp_workers import (
     ALLOCATE_KV,
     PROFILE,
@@ -86,6 +86,8 @@ class Executor:
             send_command(self._rank.model.tp, self.device, *values)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        # Checked before the command goes out: the followers would fail on it too, and exit.
+        check_kv_cache_args(num_blocks, block_size)
         self._command(ALLOCATE_KV, num_blocks, block_size)
         self._rank.allocate_kv_cache(num_blocks, block_size)
 
@@ -115,6 +117,7 @@ class Executor:
         return logits
 
     def profile_peak_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
+        check_profile_args(num_tokens, num_seqs)
         self._command(PROFILE, num_tokens, num_seqs)
         with self._collective_step():
             return self._rank.profile_peak_activation_bytes(num_tokens, num_seqs)

@@ -19,6 +19,16 @@ from inference_svc.model.profile import StoragePeakTracker
 log = logging.getLogger(__name__)
 
 
+def check_kv_cache_args(num_blocks: int, block_size: int) -> None:
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+
+
+def check_profile_args(num_tokens: int, num_seqs: int) -> None:
+    if num_seqs < 1 or num_tokens < num_seqs:
+        raise ValueError(f"need num_tokens >= num_seqs >= 1, got {num_tokens}, {num_seqs}")
+
+
 class RankModel:
     """The model, its weights and its KV cache on this rank."""
 
@@ -57,10 +67,7 @@ class RankModel:
         return max(1, self.config.num_kv_heads // self.model.tp.size)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(
-                f"need positive num_blocks and block_size, got {num_blocks}, {block_size}"
-            )
+        check_kv_cache_args(num_blocks, block_size)
         self.kv_caches = []  # free the old pool before allocating the new one
         shape = (2, num_blocks, block_size, self.kv_heads(), self.config.head_dim)
         self.kv_caches = [
@@ -86,8 +93,7 @@ class RankModel:
 
     def profile_peak_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
         """Run a dummy prefill of `num_tokens` over `num_seqs` sequences; measured peak bytes."""
-        if num_seqs < 1 or num_tokens < num_seqs:
-            raise ValueError(f"need num_tokens >= num_seqs >= 1, got {num_tokens}, {num_seqs}")
+        check_profile_args(num_tokens, num_seqs)
         base, extra = divmod(num_tokens, num_seqs)
         lens = [base + (1 if i < extra else 0) for i in range(num_seqs)]
         block_size = 16

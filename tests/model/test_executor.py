@@ -181,3 +181,18 @@ def test_a_failure_on_rank_0_mid_step_stops_the_group_instead_of_hanging() -> No
         ex.execute(*args)
     ex.shutdown()
     assert not any(w.is_alive() for w in ex._workers)
+
+
+def test_bad_cache_and_profile_sizes_are_refused_before_the_followers_see_them(
+    pair: tuple[Path, Executor, Executor],
+) -> None:
+    _, _, tp2 = pair
+    with pytest.raises(ValueError, match="positive num_blocks"):
+        tp2.allocate_kv_cache(0, 4)
+    with pytest.raises(ValueError, match="num_tokens >= num_seqs"):
+        tp2.profile_peak_activation_bytes(1, 2)
+    # Every rank is still alive and in step.
+    tp2.allocate_kv_cache(8, 4)
+    meta = AttentionMetadata.for_prefill([3], 4)
+    logits = tp2.execute(torch.tensor([1, 2, 3]), torch.arange(3), meta, torch.tensor([2]))
+    assert logits.shape == (1, tp2.config.vocab_size)
