@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import posixpath
+import re
 import struct
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from cache_sidecar.sources.base import RemoteFile
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 LFS_POINTER_PREFIX = b"version https://git-lfs.github.com/spec/"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_GIT_OID = re.compile(r"^[0-9a-f]{40}$|^[0-9a-f]{64}$")  # sha1 repos, and sha256 ones
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
@@ -48,6 +51,15 @@ def select_files(files: list[RemoteFile], repo: str) -> list[RemoteFile]:
             raise UnsafeRepository(f"{f.path}: negative size in the listing")
         if not (f.sha256 or f.git_oid):
             raise UnsafeRepository(f"{f.path}: the listing gives no hash to verify it against")
+        # Hashes name blobs, temps and locks on the volume, and a blob already there is trusted:
+        # anything but hex could point outside the repository (`../`).
+        if (f.sha256 is not None and not _SHA256.match(f.sha256)) or (
+            f.git_oid is not None and not _GIT_OID.match(f.git_oid)
+        ):
+            raise UnsafeRepository(
+                f"{f.path}: the listing gives a malformed hash (sha256 {f.sha256!r},"
+                f" git oid {f.git_oid!r})"
+            )
     names = {f.path for f in files}
     if len(names) != len(files):
         raise UnsafeRepository(f"{repo}: the listing names a path twice")

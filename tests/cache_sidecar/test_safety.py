@@ -155,3 +155,32 @@ def test_path_listed_as_file_and_directory_is_refused() -> None:
     files = [RemoteFile("a", 1, "a" * 40), RemoteFile("a/b.json", 1, "b" * 40)]
     with pytest.raises(UnsafeRepository, match="listed as a file and a directory"):
         select_files(files, "org/x")
+
+
+@pytest.mark.parametrize(
+    ("git_oid", "sha256"),
+    [
+        ("a" * 40, "../../../models--other--repo/blobs/" + "e" * 64),  # an existing blob elsewhere
+        ("../../../../tmp/evil", None),  # would name a lock file outside the volume
+        ("a" * 40, "E" * 64),
+        ("a" * 39, None),
+    ],
+)
+def test_malformed_hashes_in_the_listing_are_refused(git_oid: str, sha256: str | None) -> None:
+    with pytest.raises(UnsafeRepository, match="malformed hash"):
+        select_files([RemoteFile("model.safetensors", 100, git_oid, sha256)], "org/x")
+
+
+def test_a_hash_naming_a_blob_outside_the_repo_never_publishes_it(
+    range_mirror: RangeMirror, tmp_path: Path
+) -> None:
+    cache = make_cache(tmp_path / "vol", range_mirror.url)
+    other = cache.store.root / "secret.txt"
+    other.write_text("not weights")
+    cache.store.blob_path("org/t", "x").parent.mkdir(parents=True)  # as after an earlier fetch
+    commit = range_mirror.put_file("org/t", "config.json", b"{}")
+    # The mirror lies: the blob name walks out of the repo to a file that exists on the volume.
+    range_mirror.repos["org/t"].trees[commit]["config.json"].git_oid = "../../secret.txt"
+    with pytest.raises(UnsafeRepository):
+        cache.ensure(ModelRef("org/t", commit))
+    assert cache.published("org/t", commit) is None
