@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from inference_svc.loader.weights import LoadReport
 from inference_svc.model.attention import AttentionMetadata
@@ -57,6 +58,7 @@ class Executor:
         tp_size: int,
         workers: list[Any],
         load_reports: list[LoadReport],
+        torchrun: bool = False,
     ):
         self.config = rank_model.config
         self.tp_size = tp_size
@@ -65,6 +67,7 @@ class Executor:
         self.load_reports = load_reports  # one per rank, rank order
         self._rank = rank_model
         self._workers = workers
+        self._torchrun = torchrun  # rank 0 of a torchrun job: the default group is ours to end
         self._closed = False
         self._broken: str | None = None
 
@@ -148,6 +151,9 @@ class Executor:
                 w.kill()
                 w.join()
         self._rank.kv_caches = []
+        if self._torchrun and dist.is_initialized():
+            # The followers destroyed theirs on SHUTDOWN; rank 0's would be left dangling.
+            dist.destroy_process_group()
 
     def __enter__(self) -> Executor:
         return self
@@ -232,6 +238,6 @@ def create_executor(
         return Executor(rank_model, 1, [], [rank_model.load_report])
     if os.environ.get("WORLD_SIZE") == str(tp_size) and "RANK" in os.environ:
         rank_model, reports = join_torchrun(model_dir, config, tp_size, dtype, dev)
-        return Executor(rank_model, tp_size, [], reports)
+        return Executor(rank_model, tp_size, [], reports, torchrun=True)
     rank_model, workers, reports = spawn(model_dir, config, tp_size, dtype, dev)
     return Executor(rank_model, tp_size, workers, reports)

@@ -28,6 +28,7 @@ def test_torchrun_two_ranks_equal_tp1(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert result["group_left"] is False  # shutdown destroyed rank 0's process group too
     got = torch.tensor(result["logits"])
     ex = create_executor(model_dir)
     ex.allocate_kv_cache(8, 4)

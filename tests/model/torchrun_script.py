@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from inference_svc.model.attention import AttentionMetadata
 from inference_svc.model.executor import create_executor
@@ -22,7 +23,8 @@ def main() -> None:
     logits = ex.execute(torch.tensor(PROMPT), torch.arange(len(PROMPT)), meta, torch.arange(9))
     reports = [r.bytes_read for r in ex.load_reports]
     ex.shutdown()
-    Path(sys.argv[2]).write_text(json.dumps({"logits": logits.tolist(), "bytes": reports}))
+    result = {"logits": logits.tolist(), "bytes": reports, "group_left": dist.is_initialized()}
+    Path(sys.argv[2]).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
