@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from cache_sidecar.locks import FileLock, check_locks_exclude
@@ -46,14 +45,14 @@ def test_lock_of_a_killed_process_is_recovered(tmp_path: Path) -> None:
         assert path.read_text().split()[0] == str(child.pid)  # who holds it, for operators
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-        start = time.monotonic()
-        assert lock.acquire(timeout_s=10)
-        assert time.monotonic() - start < 10
+        assert lock.acquire(timeout_s=10)  # the kernel freed it: no wait for a stale-lock timeout
         lock.release()
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
 
 
 def test_volume_lock_self_check_passes_on_a_local_filesystem(tmp_path: Path) -> None:
