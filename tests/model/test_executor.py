@@ -96,28 +96,26 @@ def test_profile_measures_activation_growth(pair: tuple[Path, Executor, Executor
 
 
 def test_tp1_is_zero_copy_on_cpu() -> None:
-    ex = create_executor(cached_model(TP_SPECS["qwen2-kv1-vocab515"]))
-    report = ex.load_reports[0]
-    assert report.bytes_in_place == report.bytes_read == report.checkpoint_bytes
-    ex.shutdown()
+    with create_executor(cached_model(TP_SPECS["qwen2-kv1-vocab515"])) as ex:
+        report = ex.load_reports[0]
+        assert report.bytes_in_place == report.bytes_read == report.checkpoint_bytes
 
 
 def test_a_second_dtype_is_cast_with_one_copy() -> None:
     model_dir = cached_model(TP_SPECS["qwen2-kv1-vocab515"])
-    ex = create_executor(model_dir, dtype=torch.bfloat16)
-    report = ex.load_reports[0]
-    assert report.bytes_in_place == 0 and report.bytes_read == report.checkpoint_bytes
-    ex.allocate_kv_cache(16, 4)
-    meta = AttentionMetadata.for_prefill([len(PROMPTS[0])], 4)
-    logits = ex.execute(
-        torch.tensor(PROMPTS[0]), torch.arange(len(PROMPTS[0])), meta, torch.tensor([8])
-    )
+    with create_executor(model_dir, dtype=torch.bfloat16) as ex:
+        report = ex.load_reports[0]
+        assert report.bytes_in_place == 0 and report.bytes_read == report.checkpoint_bytes
+        ex.allocate_kv_cache(16, 4)
+        meta = AttentionMetadata.for_prefill([len(PROMPTS[0])], 4)
+        logits = ex.execute(
+            torch.tensor(PROMPTS[0]), torch.arange(len(PROMPTS[0])), meta, torch.tensor([8])
+        )
     ref = load_reference(model_dir, torch.float32)
     with torch.inference_mode():
         want = ref(torch.tensor([PROMPTS[0]])).logits[0, 8]
     assert logits.dtype == torch.float32
     assert rel_err(logits[0], want) < 0.05  # bf16 weights: close, not equal
-    ex.shutdown()
 
 
 def test_refuses_tp_sizes_the_heads_cannot_split() -> None:
@@ -154,32 +152,30 @@ def test_inconsistent_steps_are_refused_before_any_rank_runs(
 
 
 def test_a_dead_worker_is_reported_not_waited_on() -> None:
-    ex = create_executor(cached_model(TP_SPECS["qwen3-tied"]), tensor_parallel_size=2)
-    worker = ex._workers[0]
-    worker.kill()
-    worker.join()
-    with pytest.raises(RuntimeError, match="TP worker exited"):
-        ex.allocate_kv_cache(8, 4)
-    ex.shutdown()
+    with create_executor(cached_model(TP_SPECS["qwen3-tied"]), tensor_parallel_size=2) as ex:
+        worker = ex._workers[0]
+        worker.kill()
+        worker.join()
+        with pytest.raises(RuntimeError, match="TP worker exited"):
+            ex.allocate_kv_cache(8, 4)
     assert not worker.is_alive()
 
 
 def test_a_failure_on_rank_0_mid_step_stops_the_group_instead_of_hanging() -> None:
-    ex = create_executor(cached_model(TP_SPECS["qwen3-tied"]), tensor_parallel_size=2)
-    ex.allocate_kv_cache(8, 4)
-    meta = AttentionMetadata.for_prefill([3], 4)
-    args = (torch.tensor([1, 2, 3]), torch.arange(3), meta, torch.tensor([2]))
+    with create_executor(cached_model(TP_SPECS["qwen3-tied"]), tensor_parallel_size=2) as ex:
+        ex.allocate_kv_cache(8, 4)
+        meta = AttentionMetadata.for_prefill([3], 4)
+        args = (torch.tensor([1, 2, 3]), torch.arange(3), meta, torch.tensor([2]))
 
-    def fail(*_: object) -> None:
-        raise RuntimeError("injected fault after the first all-reduce")
+        def fail(*_: object) -> None:
+            raise RuntimeError("injected fault after the first all-reduce")
 
-    # Fault injection into rank 0 only: rank 1 is left inside a collective of layer 1.
-    ex._rank.model.model.layers[1].mlp.forward = fail  # type: ignore[method-assign]
-    with pytest.raises(RuntimeError, match="injected"):
-        ex.execute(*args)
-    with pytest.raises(RuntimeError, match="TP group stopped after a failed step"):
-        ex.execute(*args)
-    ex.shutdown()
+        # Fault injection into rank 0 only: rank 1 is left inside a collective of layer 1.
+        ex._rank.model.model.layers[1].mlp.forward = fail  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected"):
+            ex.execute(*args)
+        with pytest.raises(RuntimeError, match="TP group stopped after a failed step"):
+            ex.execute(*args)
     assert not any(w.is_alive() for w in ex._workers)
 
 
