@@ -128,7 +128,7 @@ class ModelConfig:
         if not isinstance(archs, list) or len(archs) != 1:
             raise ModelConfigError(f"expected exactly one entry in 'architectures', got {archs!r}")
         arch = archs[0]
-        if arch not in ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in ARCHITECTURES:
             raise ModelConfigError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
             )
@@ -144,8 +144,8 @@ class ModelConfig:
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ModelConfigError("unsupported option partial_rotary_factor != 1")
         layer_types = raw.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ModelConfigError(f"unsupported layer_types {sorted(set(layer_types))}")
+        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+            raise ModelConfigError(f"unsupported layer_types {layer_types!r}")
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -179,7 +179,7 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelConfigError(f"missing required key {e.args[0]!r}") from e
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ZeroDivisionError) as e:
             if isinstance(e, ModelConfigError):
                 raise
             raise ModelConfigError(f"bad value: {e}") from e

@@ -66,6 +66,9 @@ def test_both_rope_layouts_give_the_same_llama3_config() -> None:
         ({"hidden_size": 0}, "hidden_size must be positive"),
         ({"vocab_size": "many"}, "bad value"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"num_attention_heads": 0}, "bad value"),  # head_dim = hidden // heads
+        ({"architectures": [["LlamaForCausalLM"]]}, "unsupported architecture"),
+        ({"layer_types": 3}, "unsupported layer_types"),
     ],
 )
 def test_unsupported_options_are_refused_by_name(change: dict[str, Any], message: str) -> None:
