@@ -198,9 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     for k, v in ratios.items():
         print(f"{k:34s} {v:8.3f}")
+    # Judged on "+touch": the zero-copy load alone reads nothing, so it would meet these trivially.
     goals = {
-        "warm load >= 2x faster than from_pretrained": ratios["from_pretrained / ours warm"] >= 2,
-        "warm load within 1.5x of memcpy": ratios["ours warm / memcpy"] <= 1.5,
+        "warm load+touch >= 2x faster than from_pretrained": ratios[
+            "from_pretrained / ours+touch warm"
+        ]
+        >= 2,
+        "warm load+touch within 1.5x of memcpy": ratios["ours+touch warm / memcpy"] <= 1.5,
         "TP=2 bytes per rank <= 0.55 of total": tp2["max_fraction"] <= 0.55,
     }
     for k, ok in goals.items():
