@@ -12,7 +12,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from inference_svc.engine.engine import Engine
 from inference_svc.engine.outputs import EngineStats, RequestOutput
@@ -34,6 +34,9 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._stopping = False
         self._error: BaseException | None = None
+        self._dead = False  # set under _cv once the loop has ended; no command runs after it
+        # Admissions queued but not yet applied: failed at exit so no submit() waits forever.
+        self._admissions: set[Future[None]] = set()
         self._stats = engine.stats()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -65,6 +68,15 @@ class AsyncEngine:
             self._error = exc
         finally:
             error = self._error or EngineDeadError("the engine was shut down")
+            with self._cv:
+                self._dead = True
+                self._commands.clear()
+                orphans, self._admissions = self._admissions, set()
+            dead = EngineDeadError(f"the engine stopped before admitting the request: {error}")
+            dead.__cause__ = error
+            for admission in orphans:
+                with contextlib.suppress(InvalidStateError):
+                    admission.set_exception(dead)
             for sink in list(self._sinks.values()):
                 sink(error)
             self._sinks.clear()
@@ -76,12 +88,20 @@ class AsyncEngine:
             if output.finished:
                 del self._sinks[output.request_id]
 
-    def _call(self, fn: Callable[[], None]) -> None:
+    def _call(self, fn: Callable[[], None], admission: Future[None] | None = None) -> None:
         with self._cv:
-            if self._stopping or not self._thread.is_alive():
+            if self._stopping or self._dead or not self._thread.is_alive():
                 raise EngineDeadError("the engine is not running") from self._error
+            if admission is not None:
+                self._admissions.add(admission)
             self._commands.append(fn)
             self._cv.notify()
+
+    def _abort_now(self, request_id: str) -> None:
+        """Engine thread: finish a request and send its final output to its stream."""
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._deliver(output)
 
     # -- event loop side ------------------------------------------------------------------------
 
@@ -110,6 +130,13 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def add() -> None:
+            with self._cv:
+                self._admissions.discard(admitted)
+            # False if the caller was cancelled first (wrap_future cancels this future): then
+            # queue nothing, and never set a result on a cancelled future (that would raise here
+            # and end the engine loop for everyone).
+            if not admitted.set_running_or_notify_cancel():
+                return
             try:
                 self.engine.add_request(prompt, params, rid, cache_extra_keys)
             except BaseException as exc:
@@ -118,8 +145,19 @@ class AsyncEngine:
             self._sinks[rid] = sink
             admitted.set_result(None)
 
-        self._call(add)
-        await asyncio.wrap_future(admitted)
+        def undo() -> None:
+            # Runs after `add` (commands keep their order): abort only what `add` queued.
+            if admitted.done() and not admitted.cancelled() and admitted.exception() is None:
+                self._abort_now(rid)
+
+        self._call(add, admitted)
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:
+            # `add` may already have started (its future then cannot be cancelled): undo it.
+            with contextlib.suppress(EngineDeadError):
+                self._call(undo)
+            raise
         finished = False
         try:
             while True:
@@ -137,13 +175,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort from any thread; the final output (stop reason "aborted") goes to the stream."""
 
-        def do() -> None:
-            output = self.engine.abort(request_id)
-            if output is not None:
-                self._deliver(output)
-
         with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
-            self._call(do)
+            self._call(lambda: self._abort_now(request_id))
 
     def stats(self) -> EngineStats:
         """Counters as of the last step (read without stopping the engine)."""

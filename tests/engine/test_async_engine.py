@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -235,4 +237,64 @@ def _stop(engine: AsyncEngine) -> None:
     with engine._cv:
         engine._stopping = True
         engine._cv.notify()
+    engine._thread.join(10)
+
+
+def _hold_engine_thread(engine: AsyncEngine) -> threading.Event:
+    """Park the engine thread in a command until the returned event is set."""
+    gate, parked = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        parked.set()
+        gate.wait(30)
+
+    engine._call(hold)
+    assert parked.wait(30)
+    return gate
+
+
+def test_cancel_while_waiting_for_admission_aborts_the_request(
+    async_engine: AsyncEngine,
+) -> None:
+    """A caller cancelled before the engine thread applies its submit leaves no request behind."""
+    gate = _hold_engine_thread(async_engine)
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    after: Future[tuple[bool, int]] = Future()
+
+    def snapshot() -> None:
+        kv = async_engine.engine.scheduler.kv
+        after.set_result((async_engine.engine.has_unfinished(), kv.num_free_blocks))
+
+    async def main() -> None:
+        task = asyncio.ensure_future(async_engine.submit(list(range(4, 30)), long).__anext__())
+        while not async_engine._commands:  # the submit is queued behind the parked thread
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async_engine._call(snapshot)
+        gate.set()
+
+    asyncio.run(main())
+    unfinished, free = after.result(30)
+    assert not unfinished
+    assert free == async_engine.engine.scheduler.kv.pool.num_blocks
+
+
+def test_shutdown_fails_a_submit_still_waiting_for_admission(executor: Any) -> None:
+    engine = AsyncEngine(_engine(executor, 64, warmup=False))
+    gate = _hold_engine_thread(engine)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(engine.submit([5, 6], SamplingParams()).__anext__())
+        while not engine._commands:
+            await asyncio.sleep(0.001)
+        with engine._cv:
+            engine._stopping = True
+        gate.set()
+        # Without a result the submit would wait forever; the bound only turns a hang into a failure.
+        await asyncio.wait_for(task, 30)
+
+    with pytest.raises(EngineDeadError, match="before admitting"):
+        asyncio.run(main())
     engine._thread.join(10)
