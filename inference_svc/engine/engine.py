@@ -206,13 +206,17 @@ class Engine:
             cache_extra_keys=cache_extra_keys,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
-        self.scheduler.add_request(request)
+        # Every check before the scheduler takes the request: a refused one must not run anyway.
+        detok = None
         if self.tokenizer is not None:
-            self._detok[request.request_id] = IncrementalDetokenizer(
+            detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
             )
         elif params.stop:
             raise ValueError("stop strings need a tokenizer")
+        self.scheduler.add_request(request)
+        if detok is not None:
+            self._detok[request.request_id] = detok
         return request
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -272,3 +272,11 @@ def test_other_families_match_transformers(spec: dict[str, Any], random_prompts:
         assert_pool_empty(engine)
     finally:
         executor.shutdown()
+
+
+def test_refused_stop_strings_leave_nothing_queued(executor: Any) -> None:
+    engine = make_engine(executor, warmup=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, stop=["x"]), request_id="s")
+    assert not engine.has_unfinished()
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id="s")  # id is free
