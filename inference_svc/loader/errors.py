@@ -31,6 +31,10 @@ class TruncatedFileError(CheckpointError):
     """The file ends before its header or its data region does."""
 
 
+class FileChangedError(CheckpointError):
+    """The file was replaced or resized after its header was validated."""
+
+
 class HeaderFormatError(CheckpointError):
     """The header is not the JSON object safetensors defines (bad JSON, keys, types)."""
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from inference_svc.loader.errors import (
+    FileChangedError,
     HeaderFormatError,
     HeaderTooLargeError,
     OffsetOutOfRangeError,
@@ -175,7 +176,8 @@ class SafetensorsFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with open(self.path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            size = st.st_size
             # Reading the header must not read ahead into tensor data nobody asked for.
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             prefix = f.read(8)
@@ -185,6 +187,7 @@ class SafetensorsFile:
                     prefix += f.read(n)
         self.header = parse_header(prefix, size, self.path)
         self.file_size = size
+        self._identity = _identity(st)
         self._mmap: mmap.mmap | None = None
 
     @property
@@ -198,6 +201,10 @@ class SafetensorsFile:
     def mapping(self) -> mmap.mmap:
         if self._mmap is None:
             with open(self.path, "rb") as f:
+                # The path is opened again: it must still be the file whose header was validated,
+                # else the offsets would point into another file's bytes (or past its end).
+                if _identity(os.fstat(f.fileno())) != self._identity:
+                    raise FileChangedError(self.path, "replaced or modified since it was opened")
                 # ACCESS_COPY: a private mapping, so views are writable and never touch the file.
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         return self._mmap
@@ -211,3 +218,7 @@ class SafetensorsFile:
             self.mapping(), dtype=torch.uint8, count=info.nbytes, offset=info.start
         )
         return flat.view(info.dtype).view(info.shape)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -271,3 +271,16 @@ def test_unaligned_tensor_is_viewed_and_copied_when_installed(tmp_path: Path) ->
     assert not usable_in_place(meta, view)
     installed = materialize(meta, view)
     assert installed.data_ptr() % 4 == 0 and installed.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_file_replaced_after_its_header_was_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.arange(64, dtype=torch.float32)}, str(path))
+    f = SafetensorsFile(path)
+    # Another file renamed over it (as a cache refresh would): same name, other bytes and size.
+    other = tmp_path / "other.safetensors"
+    save_file({"a": torch.arange(8, dtype=torch.float32)}, str(other))
+    other.replace(path)
+    with pytest.raises(errors.FileChangedError, match="replaced or modified"):
+        f.view("a")
+    assert SafetensorsFile(path).view("a").tolist() == list(range(8))
