@@ -166,6 +166,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     model.limits,
                     chat=[(m.role, m.content) for m in chat.messages],
                     add_generation_prompt=add_gen,
+                    check_length=False,
                 )
             else:
                 # Tokenize reports any length: it is how clients learn a prompt is too long.

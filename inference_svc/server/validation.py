@@ -32,9 +32,9 @@ class Invalid(enum.Enum):
     CHAT_TEMPLATE = "the chat template could not render the messages: {detail}"
     PROMPT_TOO_LONG = (
         "the prompt has {tokens} tokens but max_model_len is {max_len}: shorten it to at most "
-        "{limit} tokens or set truncate_prompt_tokens"
+        "{limit} tokens or set {field}"
     )
-    TRUNCATE_TOO_LARGE = "truncate_prompt_tokens={value} must be < max_model_len ({max_len})"
+    TRUNCATE_TOO_LARGE = "{field}={value} must be < max_model_len ({max_len})"
     TEMPERATURE = "temperature must be >= 0 (0 or unset is greedy), got {value}"
     TOP_P = "top_p must be in (0, 1] (1 or unset disables), got {value}"
     TOP_K = "top_k must be >= 0 (0 disables), got {value}"
@@ -128,10 +128,18 @@ def encode_prompt(
     chat: Sequence[tuple[str, str]] | None = None,
     add_generation_prompt: bool = True,
     truncate: int = 0,
+    truncate_field: str = "truncate_prompt_tokens",
+    check_length: bool = True,
 ) -> tuple[list[int], int]:
-    """Token ids of exactly one of text / token_ids / chat, truncated; returns (ids, dropped)."""
+    """Token ids of exactly one of text / token_ids / chat, truncated; returns (ids, dropped).
+
+    `truncate_field` names the request's truncation field in messages (the APIs differ);
+    `check_length=False` skips the max_model_len check (Tokenize reports any length).
+    """
     if truncate >= limits.max_model_len:
-        raise Invalid.TRUNCATE_TOO_LARGE.error(value=truncate, max_len=limits.max_model_len)
+        raise Invalid.TRUNCATE_TOO_LARGE.error(
+            field=truncate_field, value=truncate, max_len=limits.max_model_len
+        )
     if chat is not None:
         if not chat:
             raise Invalid.EMPTY_CHAT.error()
@@ -160,9 +168,12 @@ def encode_prompt(
     if truncate and len(ids) > truncate:
         dropped = len(ids) - truncate
         ids = ids[-truncate:]
-    if len(ids) >= limits.max_model_len:
+    if check_length and len(ids) >= limits.max_model_len:
         raise Invalid.PROMPT_TOO_LONG.error(
-            tokens=len(ids), max_len=limits.max_model_len, limit=limits.max_model_len - 1
+            tokens=len(ids),
+            max_len=limits.max_model_len,
+            limit=limits.max_model_len - 1,
+            field=truncate_field,
         )
     return ids, dropped
 
@@ -328,7 +339,11 @@ def validate_tgis(
     if resp.top_n_tokens > TGIS_MAX_TOP_N_TOKENS:
         raise Invalid.TOP_LOGPROBS.error(limit=TGIS_MAX_TOP_N_TOKENS, value=resp.top_n_tokens)
     ids, dropped = encode_prompt(
-        tokenizer, limits, text=text, truncate=params.truncate_input_tokens
+        tokenizer,
+        limits,
+        text=text,
+        truncate=params.truncate_input_tokens,
+        truncate_field="truncate_input_tokens",
     )
     max_new = max_new_tokens(limits, len(ids), st.max_new_tokens or None)
     if st.min_new_tokens > max_new:

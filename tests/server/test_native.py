@@ -287,3 +287,11 @@ def test_model_info_and_tokenize(stub: pb_grpc.InferenceStub, model_dir: Path) -
     ids = tok.encode("hello world", add_special_tokens=False)
     assert list(resp.token_ids) == ids and resp.token_count == len(ids)
     assert list(resp.tokens) == [tok.decode([t], skip_special_tokens=False) for t in ids]
+
+
+def test_tokenize_reports_a_chat_longer_than_max_model_len(stub: pb_grpc.InferenceStub) -> None:
+    """Tokenize is how clients learn a prompt is too long: chat prompts too, not only text."""
+    max_len = stub.ModelInfo(pb.ModelInfoRequest(), timeout=5).max_model_len
+    messages = [pb.ChatMessage(role="user", content="fox " * (max_len + 10))]
+    resp = stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatPrompt(messages=messages)), timeout=10)
+    assert resp.token_count > max_len

@@ -180,3 +180,10 @@ def test_tgis_zero_means_unset_and_sample_defaults_to_temperature_one(tok: Token
             tok,
             LIMITS,
         )
+
+
+def test_tgis_messages_name_the_tgis_truncation_field(tok: Tokenizer) -> None:
+    with pytest.raises(ValidationError, match=r"or set truncate_input_tokens$"):
+        validate_tgis("hello " * 200, tg.Parameters(), tok, LIMITS)
+    with pytest.raises(ValidationError, match=r"^truncate_input_tokens=64 must be < max_model_len"):
+        validate_tgis("hello", tg.Parameters(truncate_input_tokens=64), tok, LIMITS)
