@@ -265,10 +265,16 @@ class Engine:
             if detok is not None:
                 update = detok.add_token(token)
                 text = update.text
-                if update.stop_string is not None and not request.is_finished:
-                    self.scheduler.finish_request(
-                        request.request_id, StopReason.STOP_STRING, update.stop_string
-                    )
+                if update.stop_string is not None:
+                    if not request.is_finished:
+                        self.scheduler.finish_request(
+                            request.request_id, StopReason.STOP_STRING, update.stop_string
+                        )
+                    else:
+                        # The same token also hit max_tokens (or a stop token): the text is cut
+                        # before the stop string, so that is the reason to report (as vLLM does).
+                        request.stop_reason = StopReason.STOP_STRING
+                        request.stop_detail = update.stop_string
             lp = result.logprobs[j]
             top = result.top_logprobs[j]
             outputs.append(

@@ -280,3 +280,21 @@ def test_refused_stop_strings_leave_nothing_queued(executor: Any) -> None:
         engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, stop=["x"]), request_id="s")
     assert not engine.has_unfinished()
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id="s")  # id is free
+
+
+def test_stop_string_on_the_last_allowed_token_is_the_stop_reason(
+    executor: Any, tokenizer: Any
+) -> None:
+    """The text is cut before the stop string, so the reason says so, not max_tokens."""
+    engine = make_engine(executor, tokenizer=tokenizer)
+    prompt = tokenizer.encode("The quick brown fox")
+    free = run_all(engine, [prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    ids: list[int] = free["0"]  # type: ignore[assignment]
+    stop = tokenizer.decode(ids)[6:10]
+    last = next(n for n in range(1, 25) if stop in tokenizer.decode(ids[:n]))
+    params = SamplingParams(max_tokens=last, temperature=0, ignore_eos=True, stop=(stop,))
+    result = run_all(engine, [prompt], params)
+    final = result["0/final"]
+    assert isinstance(final, RequestOutput)
+    assert (final.stop_reason, final.stop_detail) == (StopReason.STOP_STRING, stop)
+    assert_pool_empty(engine)
