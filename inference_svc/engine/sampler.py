@@ -133,8 +133,11 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
             if ids:
                 logits[i, list(ids)] = _NEG_INF
     greedy = [p.greedy for p in params]
+    # Greedy rows take the argmax before the sampling masks: typical-p can drop the top token,
+    # and a greedy answer must not depend on whether sampled rows share the batch.
+    argmax = logits.argmax(dim=1)
     if all(greedy):
-        tokens = logits.argmax(dim=1)
+        tokens = argmax
     else:
         logits = apply_temperature(
             logits, torch.tensor([p.temperature for p in params], device=device)
@@ -150,7 +153,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
                 logits, torch.tensor([p.typical_p for p in params], device=device)
             )
         drawn = sample_from(logits.softmax(dim=1), [r.generator for r in rows])
-        tokens = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=1), drawn)
+        tokens = torch.where(torch.tensor(greedy, device=device), argmax, drawn)
     token_list = tokens.tolist()
     logprobs: list[float | None] = [None] * batch
     top: list[list[tuple[int, float]] | None] = [None] * batch

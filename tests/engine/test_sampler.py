@@ -154,3 +154,13 @@ def test_masks_agree_with_transformers_warpers(seed: int) -> None:
     seen = torch.zeros(4, 300, dtype=torch.bool).scatter(1, ids, True)
     ours = apply_repetition_penalty(logits, seen, torch.full((4,), 1.3))
     assert torch.allclose(ours, RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone()))
+
+
+def test_greedy_row_ignores_typical_p_alone_or_beside_sampled_rows() -> None:
+    # The top token (0.4) is less typical than the 60 small ones, so typical-p would drop it.
+    logits = _logits_for([[0.4] + [0.01] * 60] * 2)
+    greedy = _row(SamplingParams(temperature=0, typical_p=0.2))
+    sampled = _row(SamplingParams(temperature=1.0, seed=1), gen=torch.Generator().manual_seed(1))
+    assert _kept(typical_p_mask(logits[:1], torch.tensor([0.2])))[0][0] != 0
+    assert sample(logits[:1], [greedy]).token_ids == [0]
+    assert sample(logits, [greedy, sampled]).token_ids[0] == 0
