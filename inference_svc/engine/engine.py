@@ -198,6 +198,10 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            # The sampler bans these by index before min_tokens: out of range, the step would fail.
+            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
         request = Request(
             request_id or uuid.uuid4().hex,
             prompt_ids,

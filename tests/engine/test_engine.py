@@ -298,3 +298,12 @@ def test_stop_string_on_the_last_allowed_token_is_the_stop_reason(
     assert isinstance(final, RequestOutput)
     assert (final.stop_reason, final.stop_detail) == (StopReason.STOP_STRING, stop)
     assert_pool_empty(engine)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(executor: Any) -> None:
+    engine = make_engine(executor, warmup=False)
+    vocab = executor.config.vocab_size
+    params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(vocab,))
+    with pytest.raises(ValueError, match=r"stop_token_ids out of range \[0, "):
+        engine.add_request([5, 6, 7], params, request_id="t")
+    assert not engine.has_unfinished()
