@@ -37,6 +37,7 @@ class AsyncEngine:
         self._dead = False  # set under _cv once the loop has ended; no command runs after it
         # Admissions queued but not yet applied: failed at exit so no submit() waits forever.
         self._admissions: set[Future[None]] = set()
+        self._on_stop: list[Callable[[BaseException | None], None]] = []
         self._stats = engine.stats()
         self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -72,6 +73,7 @@ class AsyncEngine:
                 self._dead = True
                 self._commands.clear()
                 orphans, self._admissions = self._admissions, set()
+                on_stop = list(self._on_stop)
             dead = EngineDeadError(f"the engine stopped before admitting the request: {error}")
             dead.__cause__ = error
             for admission in orphans:
@@ -80,6 +82,11 @@ class AsyncEngine:
             for sink in list(self._sinks.values()):
                 sink(error)
             self._sinks.clear()
+            for callback in on_stop:
+                try:
+                    callback(self._error)
+                except Exception:
+                    log.exception("engine stop callback failed")
 
     def _deliver(self, output: RequestOutput) -> None:
         sink = self._sinks.get(output.request_id)
@@ -177,6 +184,17 @@ class AsyncEngine:
 
         with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
             self._call(lambda: self._abort_now(request_id))
+
+    def add_stop_callback(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call `callback(error)` on the engine thread when the loop ends (error None: shut down).
+
+        Called at once, on this thread, if the loop has already ended.
+        """
+        with self._cv:
+            if not self._dead:
+                self._on_stop.append(callback)
+                return
+        callback(self._error)
 
     def stats(self) -> EngineStats:
         """Counters as of the last step (read without stopping the engine)."""

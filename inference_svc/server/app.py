@@ -5,6 +5,7 @@ warm the engine, health SERVING; on stop, drain in-flight requests within a grac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -228,6 +229,7 @@ class InferenceServer:
         self.health_port = 0
         self._sidecar: SidecarClient | None = None
         self._leased: SidecarModel | None = None
+        self._health_task: asyncio.Future[None] | None = None  # kept: tasks are weakly held
         inference_pb2_grpc.add_InferenceServicer_to_server(
             InferenceServicer(self.state), self.server
         )
@@ -299,9 +301,22 @@ class InferenceServer:
         self.telemetry.model_id = loaded.card.model_id
         self.telemetry.load_time_s = time.monotonic() - t0
         self.state.set_model(loaded)
+        loop = asyncio.get_running_loop()
+
+        def engine_stopped(error: BaseException | None) -> None:
+            # Engine thread. A dead engine refuses every request: probes must see it.
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                loop.call_soon_threadsafe(self._engine_stopped, error)
+
+        loaded.engine.add_stop_callback(engine_stopped)
         if not self.state.draining:
             await self._set_health(True)
         log.info("SERVING on port %d", self.port)
+
+    def _engine_stopped(self, error: BaseException | None) -> None:
+        if error is not None:
+            log.error("the engine stopped (%s): health NOT_SERVING", error)
+        self._health_task = asyncio.ensure_future(self._set_health(False))
 
     async def drain(self, grace_s: float | None = None) -> bool:
         """Stop taking requests, let in-flight ones finish within the grace period, then stop.

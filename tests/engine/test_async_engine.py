@@ -298,3 +298,20 @@ def test_shutdown_fails_a_submit_still_waiting_for_admission(executor: Any) -> N
     with pytest.raises(EngineDeadError, match="before admitting"):
         asyncio.run(main())
     engine._thread.join(10)
+
+
+def test_stop_callbacks_hear_of_a_crash_even_when_added_late(executor: Any) -> None:
+    engine = AsyncEngine(_engine(executor, 64, warmup=False))
+    early: Future[BaseException | None] = Future()
+    engine.add_stop_callback(early.set_result)
+
+    def crash() -> None:
+        raise RuntimeError("injected")
+
+    engine._call(crash)
+    error = early.result(30)
+    assert isinstance(error, RuntimeError) and str(error) == "injected"
+    engine._thread.join(10)
+    late: list[BaseException | None] = []
+    engine.add_stop_callback(late.append)
+    assert late == [error]

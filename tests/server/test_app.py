@@ -126,3 +126,25 @@ def test_a_taken_port_fails_to_bind(model_dir: Path, server: BackgroundServer) -
     finally:
         second.stopped = True  # never started
         second.close()
+
+
+def test_health_not_serving_once_the_engine_thread_dies(model_dir: Path) -> None:
+    """A replica whose engine crashed refuses everything; probes must take it out."""
+    bg = BackgroundServer(make_config(model_dir))
+    try:
+        bg.call(bg.server.start())
+        bg.call(bg.server.load())
+        with grpc.insecure_channel(bg.address) as ch:
+            assert [_health(ch, n) for n in NAMES] == [SERVING] * 3
+
+            def crash() -> None:
+                raise RuntimeError("injected engine failure")
+
+            bg.server.state.model.engine._call(crash)
+            wait_until(lambda: _health(ch, "") == NOT_SERVING, "health NOT_SERVING")
+            assert [_health(ch, n) for n in NAMES] == [NOT_SERVING] * 3
+            with pytest.raises(grpc.RpcError) as info:
+                list(pb_grpc.InferenceStub(ch).Generate(long_request(), timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        bg.close()
