@@ -126,6 +126,7 @@ class SidecarClient:
         )
         # The lease must be on the revision we load; a changed digest means it was republished.
         if status.manifest_digest and status.manifest_digest != model.manifest_digest:
+            await self.release(model)  # the Pin took a lease; the caller will not hold it
             raise SidecarError(
                 f"{model.repo}@{model.commit}: manifest digest changed from "
                 f"{model.manifest_digest} to {status.manifest_digest} while leasing"
