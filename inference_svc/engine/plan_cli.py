@@ -78,6 +78,16 @@ def _config_dtype(path: Path) -> str:
     return str(raw.get("dtype") or raw.get("torch_dtype") or "float16")
 
 
+def _parse_lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise PlanError(f"--lengths must be comma-separated positive integers, got {text!r}")
+    return lengths
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -106,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
         else parse_bytes(args.activation)
     )
     lengths = (
-        tuple(int(x) for x in args.lengths.split(","))
+        _parse_lengths(args.lengths)
         if args.lengths
         else tuple(sorted({min(512, max_len), min(2048, max_len), max_len}))
     )

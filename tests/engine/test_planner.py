@@ -259,3 +259,13 @@ def test_cli_dtype_defaults_to_the_checkpoints(
     assert rc == 0 and figures["weight_dtype"] == expected
     shape = ModelShape.from_hf_config(config)
     assert figures["weight_bytes_per_rank"] == weight_bytes_per_rank(shape, 1, expected)
+
+
+@pytest.mark.parametrize("lengths", ["abc", "0", "512,-1", "512,"])
+def test_cli_bad_lengths_are_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], lengths: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    argv = ["--config", str(tmp_path), "--memory", "80GB", "--lengths", lengths]
+    rc, _, err = _cli(argv, capsys)
+    assert rc == 1 and "--lengths must be comma-separated positive integers" in err
