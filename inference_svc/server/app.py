@@ -314,8 +314,9 @@ class InferenceServer:
         log.info("SERVING on port %d", self.port)
 
     def _engine_stopped(self, error: BaseException | None) -> None:
-        if error is not None:
-            log.error("the engine stopped (%s): health NOT_SERVING", error)
+        if error is None:  # shut down by drain or stop: health is already down or not served
+            return
+        log.error("the engine crashed (%s): health NOT_SERVING", error)
         self._health_task = asyncio.ensure_future(self._set_health(False))
 
     async def drain(self, grace_s: float | None = None) -> bool:
