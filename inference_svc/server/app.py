@@ -115,6 +115,13 @@ class ServerConfig:
         return self.lease_holder or f"inference-svc/{socket.gethostname()}/{os.getpid()}"
 
 
+def _shut_down_unused(building: asyncio.Future[LoadedModel]) -> None:
+    if building.cancelled() or building.exception() is not None:
+        return
+    log.info("load finished after start-up was abandoned: shutting the engine down")
+    building.result().engine.shutdown()
+
+
 def load_model(
     model_dir: Path, cfg: ServerConfig, model_id: str, revision: str, digest: str
 ) -> LoadedModel:
@@ -297,7 +304,14 @@ class InferenceServer:
             revision = path.name if _COMMIT_RE.match(path.name) else ""
             args = (path, cfg, str(cfg.model_dir), revision, "")
         t0 = time.monotonic()
-        loaded = await asyncio.to_thread(load_model, *args)
+        building = asyncio.get_running_loop().run_in_executor(None, load_model, *args)
+        try:
+            loaded = await asyncio.shield(building)
+        except asyncio.CancelledError:
+            # SIGTERM while loading: the thread cannot be interrupted, so whatever it builds
+            # (an engine, TP worker processes) is shut down when it is done, not leaked.
+            building.add_done_callback(_shut_down_unused)
+            raise
         self.telemetry.model_id = loaded.card.model_id
         self.telemetry.load_time_s = time.monotonic() - t0
         self.state.set_model(loaded)
