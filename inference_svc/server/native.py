@@ -126,10 +126,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfoResponse:
-        try:
-            model = self.state.model
-        except StatusError as e:
-            await context.abort(e.code, e.message)
+        model = await self.state.model_or_abort(context)
         card, limits = model.card, model.limits
         caps = ["logprobs", "stop_sequences", "seed", "token_ids"]
         if card.has_chat_template:
@@ -181,10 +178,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetLoad(
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadResponse:
-        try:
-            model = self.state.model
-        except StatusError as e:
-            await context.abort(e.code, e.message)
+        model = await self.state.model_or_abort(context)
         s = model.engine.stats()
         return pb.LoadResponse(
             running=s.running,

@@ -133,6 +133,14 @@ class ServingState:
     def token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    async def model_or_abort(self, context: grpc.aio.ServicerContext) -> LoadedModel:
+        """The loaded model, or the call ends with why there is none (still loading, stopped)."""
+        try:
+            return self.model
+        except StatusError as e:
+            await context.abort(e.code, e.message)
+            raise  # not reached: abort raises
+
     def refused(self, code: grpc.StatusCode, api: str) -> None:
         if self.telemetry is not None:
             self.telemetry.refusal(code.name, api)

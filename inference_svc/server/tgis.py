@@ -173,10 +173,7 @@ class GenerationServicer(tg_grpc.GenerationServiceServicer):
     async def Tokenize(
         self, request: tg.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tg.BatchedTokenizeResponse:
-        try:
-            model = self.state.model
-        except StatusError as e:
-            await context.abort(e.code, e.message)
+        model = await self.state.model_or_abort(context)
         backend = model.tokenizer.backend  # type: ignore[attr-defined]
         out = tg.BatchedTokenizeResponse()
         for r in request.requests:
@@ -200,10 +197,7 @@ class GenerationServicer(tg_grpc.GenerationServiceServicer):
     async def ModelInfo(
         self, request: tg.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> tg.ModelInfoResponse:
-        try:
-            model = self.state.model
-        except StatusError as e:
-            await context.abort(e.code, e.message)
+        model = await self.state.model_or_abort(context)
         return tg.ModelInfoResponse(
             model_kind=tg.ModelInfoResponse.DECODER_ONLY,
             max_sequence_length=model.limits.max_model_len,
